@@ -1,0 +1,170 @@
+"""dependency-injector containers that select connectors, gate V1 and inject by role.
+
+- :class:`KVTransferContainer`: settings -> registry -> V1 gate -> resolved connector ->
+  ``scheduler_connector`` / ``worker_connector`` (and the ``backend`` both halves share).
+- :class:`AllocatorContainer`: the allocation ``plan`` (no memory) and the ``allocator``
+  (a Resource: allocated on first use, freed by ``shutdown_resources()``).
+- :class:`EngineContainer`: composes both; the scheduler gets the scheduler half and the
+  plan, the worker gets the worker half and the allocator, the engine gets both.
+
+Build them with :func:`build_kv_container` / :func:`build_engine_container`, which validate
+everything (settings, connector name, V1 gate, role classes) before returning.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from dependency_injector import containers, providers
+from pydantic import BaseModel, ValidationError
+
+from kvdi.allocator import AllocationPlan, GpuBufferAllocator, KVCacheSpec, allocated
+from kvdi.connectors.base import ConnectorContext, KVConnectorRole, SchedulerConnector, WorkerConnector, require_role
+from kvdi.errors import ConfigError, V1EngineRequiredError
+from kvdi.registry import ConnectorRegistry, LazyTarget, ResolvedConnector
+from kvdi.settings import KvdiSettings, describe_validation_error, load_settings
+
+
+def check_v1_gate(settings: KvdiSettings) -> None:
+    """Raise V1EngineRequiredError when ``use_v1`` is off, naming which env var turned it off."""
+    if settings.use_v1:
+        return
+    for var in ("KVDI_USE_V1", "VLLM_USE_V1"):
+        if os.environ.get(var, "").strip():
+            raise V1EngineRequiredError(f"{var}={os.environ[var]}")
+    raise V1EngineRequiredError("use_v1=False")
+
+
+def resolve_connector(registry: ConnectorRegistry, settings: KvdiSettings) -> ResolvedConnector:
+    """The V1 gate, then the registry lookup and class checks for ``settings.kv_connector``."""
+    check_v1_gate(settings)
+    return registry.resolve(settings.kv_connector, settings.kv_connector_module_path)
+
+
+def connector_options(resolved: ResolvedConnector, settings: KvdiSettings) -> Any:
+    """The connector's typed options: a KvdiSettings section, or its model over extra config."""
+    target = resolved.spec.settings
+    if target is None:
+        return None
+    if isinstance(target, str):
+        return getattr(settings, target)
+    if isinstance(target, type) and issubclass(target, BaseModel):
+        try:
+            return target.model_validate(settings.kv_connector_extra_config)
+        except ValidationError as exc:
+            text = describe_validation_error(exc).replace("KVDI_", "KVDI_KV_CONNECTOR_EXTRA_CONFIG: ", 1)
+            raise ConfigError(f"options of connector {resolved.spec.name!r}: {text}") from None
+    raise TypeError(f"ConnectorSpec.settings of {resolved.spec.name!r} must be a field name or a pydantic model")
+
+
+def open_backend(resolved: ResolvedConnector, options: Any, layout: KVCacheSpec, settings: KvdiSettings) -> Iterator[Any]:
+    """Resource: the object both halves share, closed on ``shutdown_resources()``."""
+    if resolved.backend_factory is None:
+        yield None
+        return
+    backend = resolved.backend_factory(options, layout, settings)
+    try:
+        yield backend
+    finally:
+        close = getattr(backend, "close", None)
+        if callable(close):
+            close()
+
+
+def build_half(
+    resolved: ResolvedConnector,
+    role: KVConnectorRole,
+    settings: KvdiSettings,
+    layout: KVCacheSpec,
+    options: Any,
+    backend: Any,
+) -> SchedulerConnector | WorkerConnector:
+    """Construct the ``role`` half of the resolved connector and check it really is that role."""
+    context = ConnectorContext(resolved.spec.name, role, settings, layout, options, backend)
+    half = resolved.cls_for(role)(context)
+    require_role(half, role, f"connector {resolved.spec.name!r}")
+    return half
+
+
+class KVTransferContainer(containers.DeclarativeContainer):
+    """Selects the connector named by settings and builds its scheduler and worker halves."""
+
+    settings = providers.Dependency(instance_of=KvdiSettings)
+    registry = providers.Singleton(ConnectorRegistry)
+    layout = providers.Singleton(KVCacheSpec.from_settings, settings)
+    connector = providers.Singleton(resolve_connector, registry, settings)
+    options = providers.Singleton(connector_options, connector, settings)
+    backend = providers.Resource(open_backend, connector, options, layout, settings)
+    scheduler_connector = providers.Factory(
+        build_half, connector, KVConnectorRole.SCHEDULER, settings, layout, options, backend
+    )
+    worker_connector = providers.Factory(build_half, connector, KVConnectorRole.WORKER, settings, layout, options, backend)
+
+
+class AllocatorContainer(containers.DeclarativeContainer):
+    """The KV cache plan (no memory touched) and the allocator that realises it."""
+
+    settings = providers.Dependency(instance_of=KvdiSettings)
+    layout = providers.Singleton(KVCacheSpec.from_settings, settings)
+    planner = providers.Singleton(GpuBufferAllocator, layout, settings.provided.allocator)
+    plan = providers.Singleton(GpuBufferAllocator.plan, planner)
+    allocator = providers.Resource(allocated, planner)
+
+
+class EngineContainer(containers.DeclarativeContainer):
+    """A whole engine: scheduler with the scheduler half, worker with the worker half and the allocator."""
+
+    settings = providers.Dependency(instance_of=KvdiSettings)
+    kv = providers.Container(KVTransferContainer, settings=settings)
+    alloc = providers.Container(AllocatorContainer, settings=settings)
+
+    model = providers.Singleton(LazyTarget("kvdi.engine.model:TransformerModel"), settings.provided.model, alloc.layout, alloc.plan)
+    scheduler = providers.Singleton(
+        LazyTarget("kvdi.engine.scheduler:Scheduler"), connector=kv.scheduler_connector, plan=alloc.plan, settings=settings
+    )
+    worker = providers.Singleton(
+        LazyTarget("kvdi.engine.worker:Worker"),
+        connector=kv.worker_connector,
+        allocator=alloc.allocator,
+        model=model,
+        settings=settings,
+    )
+    engine = providers.Singleton(LazyTarget("kvdi.engine.engine:LLMEngine"), scheduler=scheduler, worker=worker)
+
+
+def build_kv_container(
+    settings: KvdiSettings | None = None, *, registry: ConnectorRegistry | None = None, **overrides: Any
+) -> KVTransferContainer:
+    """A validated KVTransferContainer: settings, connector name, V1 gate and classes checked now."""
+    container = KVTransferContainer(settings=settings if settings is not None else load_settings(**overrides))
+    if registry is not None:
+        container.registry.override(providers.Object(registry))
+    container.connector()
+    container.options()
+    return container
+
+
+def build_engine_container(
+    settings: KvdiSettings | None = None, *, registry: ConnectorRegistry | None = None, **overrides: Any
+) -> EngineContainer:
+    """A validated EngineContainer: everything :func:`build_kv_container` checks, plus the allocation plan."""
+    container = EngineContainer(settings=settings if settings is not None else load_settings(**overrides))
+    if registry is not None:
+        container.kv.registry.override(providers.Object(registry))
+    container.kv.connector()
+    container.kv.options()
+    plan: AllocationPlan = container.alloc.plan()
+    del plan
+    return container
+
+
+__all__ = [
+    "AllocatorContainer",
+    "EngineContainer",
+    "KVTransferContainer",
+    "build_engine_container",
+    "build_kv_container",
+    "check_v1_gate",
+]

@@ -1,0 +1,239 @@
+"""Connector registry: names to lazily imported scheduler and worker classes.
+
+Nothing is imported until a name is resolved. Sources, in order: kvdi's built-ins, the
+``kvdi.connectors`` entry-point group (the entry point's name is the connector name, its
+object a :class:`ConnectorSpec`), then ``kv_connector_module_path`` (a module exposing a
+``ConnectorSpec``, or a vLLM-style class named ``kv_connector`` that serves either role).
+A registry is a plain object owned by a container; two containers may hold different ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvdi.connectors.base import KVConnectorRole, SchedulerConnector, WorkerConnector
+from kvdi.errors import ConnectorImportError, DuplicateConnectorError, UnknownConnectorError
+
+ENTRY_POINT_GROUP = "kvdi.connectors"
+Origin = Literal["builtin", "entry-point", "module-path"]
+
+
+@dataclass(frozen=True)
+class ConnectorSpec:
+    """A connector's declaration: ``"pkg.mod:Class"`` targets, imported only when built.
+
+    ``backend`` optionally names a callable ``f(context) -> object`` built once per
+    container and shared by both halves (a store, pool or client). ``settings`` names the
+    field of :class:`~kvdi.settings.KvdiSettings` that holds the connector's typed options,
+    or a pydantic model class validated from ``kv_connector_extra_config``. ``requires``
+    lists import names of optional dependencies.
+    """
+
+    name: str
+    scheduler: str
+    worker: str
+    backend: str | None = None
+    settings: str | type[Any] | None = None
+    requires: tuple[str, ...] = ()
+    description: str = ""
+
+    def targets(self) -> tuple[str, str, str | None]:
+        return (self.scheduler, self.worker, self.backend)
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A spec with where it came from."""
+
+    spec: ConnectorSpec
+    origin: Origin
+
+    @property
+    def missing_requirements(self) -> tuple[str, ...]:
+        """Optional dependencies that are not installed (checked without importing them)."""
+        return tuple(r for r in self.spec.requires if importlib.util.find_spec(r) is None)
+
+
+@dataclass(frozen=True)
+class ResolvedConnector:
+    """A spec whose classes are imported and checked against the role base classes."""
+
+    spec: ConnectorSpec
+    origin: Origin
+    scheduler_cls: type[SchedulerConnector]
+    worker_cls: type[WorkerConnector]
+    backend_factory: Callable[..., Any] | None
+
+    def cls_for(self, role: KVConnectorRole) -> type[SchedulerConnector] | type[WorkerConnector]:
+        return self.scheduler_cls if role is KVConnectorRole.SCHEDULER else self.worker_cls
+
+
+_C = "kvdi.connectors"
+BUILTIN_SPECS: tuple[ConnectorSpec, ...] = (
+    ConnectorSpec("null", f"{_C}.null:NullSchedulerConnector", f"{_C}.null:NullWorkerConnector",
+                  description="does nothing; the baseline"),
+    ConnectorSpec("shared_storage", f"{_C}.store:StoreSchedulerConnector", f"{_C}.store:StoreWorkerConnector",
+                  backend=f"{_C}.shared_storage:open_store", settings="shared_storage",
+                  description="framed objects in a local directory (the embedded default)"),
+    ConnectorSpec("cpu_offload", f"{_C}.store:StoreSchedulerConnector", f"{_C}.store:StoreWorkerConnector",
+                  backend=f"{_C}.cpu_offload:open_store", settings="cpu_offload",
+                  description="host memory pool with LRU eviction"),
+    ConnectorSpec("redis", f"{_C}.store:StoreSchedulerConnector", f"{_C}.store:StoreWorkerConnector",
+                  backend=f"{_C}.redis:open_store", settings="redis", requires=("redis",),
+                  description="one Redis key per framed block"),
+    ConnectorSpec("multi", f"{_C}.store:StoreSchedulerConnector", f"{_C}.store:StoreWorkerConnector",
+                  backend=f"{_C}.multi:open_store", settings="multi",
+                  description="tiers in order, e.g. cpu_offload then shared_storage"),
+    ConnectorSpec("p2p", f"{_C}.p2p:P2pSchedulerConnector", f"{_C}.p2p:P2pWorkerConnector",
+                  backend=f"{_C}.p2p:open_channel", settings="p2p",
+                  description="producer to consumer over torch.distributed"),
+)
+
+
+def import_target(target: str) -> Any:
+    """Import ``"pkg.mod:attr"``; raise ConnectorImportError naming module, attribute and cause."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConnectorImportError(target, ValueError("target must look like 'pkg.module:Name'"))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConnectorImportError(target, exc, _install_hint(exc)) from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError as exc:
+        raise ConnectorImportError(target, exc) from exc
+
+
+def _install_hint(exc: ImportError) -> str:
+    missing = getattr(exc, "name", None)
+    extras = {"redis": "redis", "vllm": "vllm"}
+    if missing in extras:
+        return f" (install it with: pip install 'kvdi[{extras[missing]}]')"
+    return ""
+
+
+class LazyTarget:
+    """A callable that imports ``"pkg.mod:attr"`` on first call and caches it."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self._obj: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._obj is None:
+            self._obj = import_target(self.target)
+        return self._obj(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"LazyTarget({self.target!r})"
+
+
+@dataclass
+class ConnectorRegistry:
+    """Names to specs. ``entry_points=True`` discovers the ``kvdi.connectors`` group lazily."""
+
+    specs: Iterable[ConnectorSpec] = BUILTIN_SPECS
+    entry_points: bool = True
+    _by_name: dict[str, Registered] = field(default_factory=dict, init=False)
+    _entry_points: dict[str, importlib.metadata.EntryPoint] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        for spec in self.specs:
+            self.register(spec, origin="builtin")
+        if self.entry_points:
+            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+                if ep.name not in self._by_name:
+                    self._entry_points.setdefault(ep.name, ep)
+
+    def register(self, spec: ConnectorSpec, origin: Origin = "builtin") -> None:
+        """Add a spec; the same targets again are a no-op, other targets raise DuplicateConnectorError."""
+        current = self._by_name.get(spec.name)
+        if current is not None:
+            if current.spec.targets() == spec.targets():
+                return
+            raise DuplicateConnectorError(
+                f"connector {spec.name!r} is already registered ({current.origin}: "
+                f"{current.spec.scheduler}, {current.spec.worker}); refusing {spec.scheduler}, {spec.worker}"
+            )
+        self._by_name[spec.name] = Registered(spec, origin)
+
+    def names(self) -> list[str]:
+        """All names: registered specs and not yet loaded entry points."""
+        return sorted({*self._by_name, *self._entry_points})
+
+    def get(self, name: str, module_path: str | None = None) -> Registered:
+        """The registered spec for ``name``; loads entry points and ``module_path`` on demand."""
+        if module_path:
+            self._load_module_path(name, module_path)
+        if name not in self._by_name and name in self._entry_points:
+            self._load_entry_point(name)
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise UnknownConnectorError(name, self.names()) from None
+
+    def all(self) -> list[Registered]:
+        """Every spec, loading entry-point specs (their modules should be light)."""
+        for name in list(self._entry_points):
+            if name not in self._by_name:
+                self._load_entry_point(name)
+        return [self._by_name[n] for n in sorted(self._by_name)]
+
+    def resolve(self, name: str, module_path: str | None = None) -> ResolvedConnector:
+        """Import and check the classes of ``name``; raises TypeError for a class of the wrong role."""
+        entry = self.get(name, module_path)
+        spec = entry.spec
+        scheduler_cls = _checked_class(spec.scheduler, SchedulerConnector)
+        worker_cls = _checked_class(spec.worker, WorkerConnector)
+        backend = import_target(spec.backend) if spec.backend else None
+        return ResolvedConnector(spec, entry.origin, scheduler_cls, worker_cls, backend)
+
+    def _load_entry_point(self, name: str) -> None:
+        ep = self._entry_points.pop(name)
+        try:
+            obj = ep.load()
+        except ImportError as exc:
+            raise ConnectorImportError(ep.value, exc) from exc
+        if not isinstance(obj, ConnectorSpec):
+            raise TypeError(f"entry point {name!r} ({ep.value}) must be a kvdi ConnectorSpec, got {type(obj).__name__}")
+        self.register(_renamed(obj, name), origin="entry-point")
+
+    def _load_module_path(self, name: str, module_path: str) -> None:
+        try:
+            module = importlib.import_module(module_path)
+        except ImportError as exc:
+            raise ConnectorImportError(f"{module_path}:{name}", exc) from exc
+        specs = [v for v in vars(module).values() if isinstance(v, ConnectorSpec)]
+        if len(specs) > 1:
+            specs = [s for s in specs if s.name == name] or specs
+        if len(specs) == 1:
+            self.register(_renamed(specs[0], name), origin="module-path")
+            return
+        if len(specs) > 1:
+            raise TypeError(f"module {module_path!r} exposes several ConnectorSpecs and none is named {name!r}")
+        if not hasattr(module, name):
+            raise ConnectorImportError(
+                f"{module_path}:{name}",
+                AttributeError(f"module has no ConnectorSpec and no class named {name!r}"),
+            )
+        target = f"{module_path}:{name}"
+        self.register(ConnectorSpec(name, target, target), origin="module-path")
+
+
+def _renamed(spec: ConnectorSpec, name: str) -> ConnectorSpec:
+    if spec.name == name:
+        return spec
+    return ConnectorSpec(name, spec.scheduler, spec.worker, spec.backend, spec.settings, spec.requires, spec.description)
+
+
+def _checked_class(target: str, base: type[Any]) -> Any:
+    cls = import_target(target)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise TypeError(f"{target} must be a subclass of kvdi.connectors.base.{base.__name__}, got {cls!r}")
+    return cls

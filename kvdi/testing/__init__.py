@@ -1,0 +1,1 @@
+"""Test support for kvdi users: isolated containers, overrides and recording connectors."""
