@@ -54,6 +54,10 @@ class ConnectorImportError(KvdiError, ImportError):
         self.cause = cause
 
 
+class ConnectorTypeError(KvdiError, TypeError):
+    """A connector target is not a subclass of its role's base class, or built for the wrong role."""
+
+
 class V1EngineRequiredError(ConfigError):
     """A connector was requested while the V1 engine gate is off."""
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvdi.connectors.base import KVConnectorRole, SchedulerConnector, WorkerConnector
-from kvdi.errors import ConnectorImportError, DuplicateConnectorError, UnknownConnectorError
+from kvdi.errors import ConnectorImportError, ConnectorTypeError, DuplicateConnectorError, UnknownConnectorError
 
 ENTRY_POINT_GROUP = "kvdi.connectors"
 Origin = Literal["builtin", "entry-point", "module-path"]
@@ -201,7 +201,7 @@ class ConnectorRegistry:
         except ImportError as exc:
             raise ConnectorImportError(ep.value, exc) from exc
         if not isinstance(obj, ConnectorSpec):
-            raise TypeError(f"entry point {name!r} ({ep.value}) must be a kvdi ConnectorSpec, got {type(obj).__name__}")
+            raise ConnectorTypeError(f"entry point {name!r} ({ep.value}) must be a kvdi ConnectorSpec, got {type(obj).__name__}")
         self.register(_renamed(obj, name), origin="entry-point")
 
     def _load_module_path(self, name: str, module_path: str) -> None:
@@ -216,7 +216,7 @@ class ConnectorRegistry:
             self.register(_renamed(specs[0], name), origin="module-path")
             return
         if len(specs) > 1:
-            raise TypeError(f"module {module_path!r} exposes several ConnectorSpecs and none is named {name!r}")
+            raise ConnectorTypeError(f"module {module_path!r} exposes several ConnectorSpecs and none is named {name!r}")
         if not hasattr(module, name):
             raise ConnectorImportError(
                 f"{module_path}:{name}",
@@ -235,5 +235,5 @@ def _renamed(spec: ConnectorSpec, name: str) -> ConnectorSpec:
 def _checked_class(target: str, base: type[Any]) -> Any:
     cls = import_target(target)
     if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise TypeError(f"{target} must be a subclass of kvdi.connectors.base.{base.__name__}, got {cls!r}")
+        raise ConnectorTypeError(f"{target} must be a subclass of kvdi.connectors.base.{base.__name__}, got {cls!r}")
     return cls

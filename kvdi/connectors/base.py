@@ -23,8 +23,10 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
+
+from kvdi.errors import ConnectorTypeError
 
 if TYPE_CHECKING:
     import torch
@@ -243,10 +245,10 @@ class WorkerConnector(_Half):
     def start_load_kv(self) -> None:
         """Called by the worker before the forward pass: start copying the step's loads into the cache."""
 
-    def wait_for_layer_load(self, layer_name: str) -> None:  # noqa: B027 - optional hook
+    def wait_for_layer_load(self, layer_name: str) -> None:
         """Called by the worker before a layer's attention: block until that layer's KV is in place."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:  # noqa: B027 - optional hook
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         """Called by the worker after a layer's attention wrote its KV: may start saving it."""
 
     @abstractmethod
@@ -268,11 +270,11 @@ class WorkerConnector(_Half):
 
 
 def require_role(connector: object, role: KVConnectorRole, component: str) -> None:
-    """Raise TypeError unless ``connector`` is the ``role`` half; components call this in ``__init__``."""
+    """Raise ConnectorTypeError (a TypeError) unless ``connector`` is the ``role`` half; components call this in ``__init__``."""
     base = SchedulerConnector if role is KVConnectorRole.SCHEDULER else WorkerConnector
     if not isinstance(connector, base) or connector.role is not role:
         got = getattr(connector, "role", None)
-        raise TypeError(
+        raise ConnectorTypeError(
             f"{component} needs a {base.__name__} built for role {role.name}, "
             f"got {type(connector).__name__} (role {getattr(got, 'name', got)})"
         )

@@ -1,0 +1,42 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (everything).
+# Each creates .venv on first use, installing torch==2.13.0 (CPU wheel) before kvdi so pip
+# never resolves kvdi's `torch>=2.4` to a multi-GB CUDA build.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvdi-installed
+
+.PHONY: demo test lint test-unit test-vllm system-deps bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvdi demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvdi tests benchmarks containers
+	$(BIN)/mypy
+
+test-unit: $(STAMP)
+	CI=$${CI:-} $(BIN)/python -m pytest -q
+
+test-vllm:
+	bash .ci/vllm-tests.sh
+
+# redis-server is a real server the tests start on loopback; install it when we can (root + apt).
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then apt-get update -q && apt-get install -y -q redis-server; \
+	  else echo "redis-server is missing: install it (e.g. sudo apt-get install -y redis-server)"; exit 1; fi; }
+
+test: system-deps lint test-unit test-vllm
+
+bench: $(STAMP)
+	$(BIN)/kvdi bench
+
+clean:
+	rm -rf $(VENV) .venv-vllm .mypy_cache .ruff_cache .pytest_cache

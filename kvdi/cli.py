@@ -1,0 +1,250 @@
+"""The ``kvdi`` command: ``info``, ``connectors``, ``check``, ``demo``, ``bench``.
+
+User errors (bad settings, unknown connector, V1 gate, impossible budget) print one line
+on stderr and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from kvdi.errors import ConfigError, KvdiError, did_you_mean
+
+EXIT_USAGE = 2
+BENCHES = ("resolution", "storage", "redis", "ttft", "p2p")
+_SECRET_KEY = re.compile(r"(^|_)(password|passwd|secret|token|api_key|credentials?)$", re.IGNORECASE)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvdi`` console script; returns the exit code."""
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command != "demo" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    command: Callable[[argparse.Namespace, list[str]], int] = args.func
+    try:
+        return command(args, rest)
+    except KvdiError as exc:
+        print(f"kvdi: error: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvdi", description="KV-cache connectors wired by a DI container.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="resolved settings with their sources, connector classes, allocation plan")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.set_defaults(func=cmd_info)
+    conns = sub.add_parser("connectors", help="registered connectors and whether their dependencies are installed")
+    conns.add_argument("--json", action="store_true", help="print JSON")
+    conns.set_defaults(func=cmd_connectors)
+    check = sub.add_parser("check", help="validate settings, connector and allocation plan; exit 0 or 2")
+    check.set_defaults(func=cmd_check)
+    demo = sub.add_parser("demo", help="producer/consumer engines on the embedded default; the main job", add_help=False)
+    demo.set_defaults(func=cmd_demo)
+    bench = sub.add_parser("bench", help="ratio benchmarks: kvdi next to raw baselines in one run")
+    bench.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCHES)} (default: all)")
+    bench.add_argument("--quick", action="store_true", help="fewer, smaller iterations")
+    bench.add_argument("--json", action="store_true", help="print JSON")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def mask(path: str, value: Any) -> Any:
+    """Hide secrets: SecretStr values, keys that look secret, and passwords inside URLs."""
+    if _SECRET_KEY.search(path.rsplit(".", 1)[-1]) and value not in (None, ""):
+        return "**********"
+    if isinstance(value, Mapping):
+        return {k: mask(f"{path}.{k}", v) for k, v in value.items()}
+    if isinstance(value, str):
+        return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", value)
+    return value
+
+
+def _leaves(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value and key != "kv_connector_extra_config":
+            yield from _leaves(value, path + ".")
+        else:
+            yield path, value
+
+
+def _source_of(path: str, sources: Mapping[str, str]) -> str:
+    while path:
+        if path in sources:
+            return sources[path]
+        path = path.rpartition(".")[0]
+    return "default"
+
+
+def describe(container_overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Everything ``kvdi info`` shows, as a dict: settings with sources, connector, plan."""
+    from kvdi.containers import build_engine_container
+    from kvdi.settings import load_settings, value_sources
+
+    overrides = dict(container_overrides or {})
+    settings = load_settings(**overrides)
+    sources = value_sources(**overrides)
+    dumped = settings.model_dump(mode="json")
+    rows = [{"setting": p, "value": mask(p, v), "source": _source_of(p, sources)} for p, v in _leaves(dumped)]
+    container = build_engine_container(settings)
+    resolved = container.kv.connector()
+    plan = container.alloc.plan()
+    return {
+        "settings": rows,
+        "connector": {
+            "name": resolved.spec.name,
+            "origin": resolved.origin,
+            "scheduler": f"{resolved.scheduler_cls.__module__}.{resolved.scheduler_cls.__qualname__}",
+            "worker": f"{resolved.worker_cls.__module__}.{resolved.worker_cls.__qualname__}",
+        },
+        "allocation_plan": {
+            "device": plan.device,
+            "num_blocks": plan.num_blocks,
+            "block_bytes": plan.block_bytes,
+            "total_bytes": plan.total_bytes,
+            "staging_bytes": plan.staging_bytes,
+            "budget": plan.budget_source,
+            "allocated": False,
+        },
+    }
+
+
+def cmd_info(args: argparse.Namespace, _rest: list[str]) -> int:
+    """Print resolved settings (value and source), connector classes and the allocation plan."""
+    info = describe()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    width = max(len(r["setting"]) for r in info["settings"])
+    print("settings (value  [source: default|file|dotenv|env|init]):")
+    for row in info["settings"]:
+        print(f"  {row['setting']:<{width}} = {json.dumps(row['value'])}  [{row['source']}]")
+    conn = info["connector"]
+    print(f"connector: {conn['name']} ({conn['origin']})")
+    print(f"  scheduler: {conn['scheduler']}")
+    print(f"  worker:    {conn['worker']}")
+    plan = info["allocation_plan"]
+    print(
+        f"allocation plan (not allocated): {plan['num_blocks']} blocks x {plan['block_bytes']} B = "
+        f"{plan['total_bytes'] / 2**20:.1f} MiB on {plan['device']}; staging {plan['staging_bytes']} B; "
+        f"budget {plan['budget']}"
+    )
+    return 0
+
+
+def connector_rows() -> list[dict[str, Any]]:
+    """One row per registered connector; imports no connector module (and so not torch)."""
+    from kvdi.registry import ConnectorRegistry
+
+    rows = []
+    for entry in ConnectorRegistry().all():
+        spec = entry.spec
+        missing = entry.missing_requirements
+        rows.append(
+            {
+                "name": spec.name,
+                "origin": entry.origin,
+                "scheduler": spec.scheduler,
+                "worker": spec.worker,
+                "requires": list(spec.requires),
+                "installed": not missing,
+                "missing": list(missing),
+                "description": spec.description,
+            }
+        )
+    return rows
+
+
+def cmd_connectors(args: argparse.Namespace, _rest: list[str]) -> int:
+    """Print the registry as a table (or JSON)."""
+    rows = connector_rows()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="kvdi connectors")
+    for col in ("name", "origin", "scheduler", "worker", "deps"):
+        table.add_column(col)
+    for row in rows:
+        deps = "ok" if row["installed"] else "missing: " + ", ".join(row["missing"])
+        table.add_row(row["name"], row["origin"], row["scheduler"], row["worker"], deps)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    return 0
+
+
+def cmd_check(_args: argparse.Namespace, _rest: list[str]) -> int:
+    """Validate everything a container needs; print one ok line."""
+    info = describe()
+    plan = info["allocation_plan"]
+    print(
+        f"ok: connector {info['connector']['name']} ({info['connector']['origin']}), "
+        f"{plan['num_blocks']} KV blocks on {plan['device']}"
+    )
+    return 0
+
+
+def cmd_demo(_args: argparse.Namespace, rest: list[str]) -> int:
+    """Run the producer/consumer demo (see kvdi.demo)."""
+    from kvdi.demo import main as demo_main
+
+    return demo_main(rest)
+
+
+def cmd_bench(args: argparse.Namespace, _rest: list[str]) -> int:
+    """Run ratio benchmarks and print a table (or JSON)."""
+    from kvdi.bench import BenchResult
+
+    names = args.names or list(BENCHES)
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        raise ConfigError(f"unknown benchmark {unknown[0]!r}; known: {', '.join(BENCHES)}{did_you_mean(unknown[0], BENCHES)}")
+    results: list[BenchResult] = []
+    skipped: dict[str, str] = {}
+    for name in names:
+        try:
+            module = importlib.import_module(f"kvdi.bench.{name}")
+        except ImportError as exc:
+            skipped[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        results.extend(module.run(args.quick))
+    if args.json:
+        print(json.dumps({"results": [r.as_dict() for r in results], "skipped": skipped}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="kvdi bench (ratio = kvdi / baseline, same bytes, same run)")
+    for col in ("bench", "metric", "kvdi", "baseline", "ratio", "target", "met", "note"):
+        table.add_column(col)
+    for r in results:
+        met = "-" if r.met is None else ("yes" if r.met else "NO")
+        target = "-" if r.target is None else f"{'>=' if r.higher_is_better else '<='} {r.target:g}"
+        table.add_row(
+            r.bench, r.metric, f"{r.kvdi:.3g} {r.unit}", f"{r.baseline:.3g} {r.unit} ({r.baseline_name})",
+            f"{r.ratio:.2f}x", target, met, r.note,
+        )
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    console.print(table)
+    for name, why in skipped.items():
+        console.print(f"skipped {name}: {why}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

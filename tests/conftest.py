@@ -1,0 +1,50 @@
+"""Shared test setup. kvdi's own pytest plugin (kvdi.testing.plugin) is loaded through its
+``pytest11`` entry point; ``pytester`` runs inner test sessions for the plugin's tests."""
+
+pytest_plugins = ["pytester"]
+
+
+# --- redis-server fixtures (owner: Redis connector, issue 4) -------------------------------
+import os as _os  # noqa: E402
+from collections.abc import Callable as _Callable  # noqa: E402
+from collections.abc import Iterator as _Iterator  # noqa: E402
+
+import pytest as _pytest  # noqa: E402
+
+from kvdi.testing.redis_server import INSTALL_HINT as _REDIS_HINT  # noqa: E402
+from kvdi.testing.redis_server import RedisServer as _RedisServer  # noqa: E402
+from kvdi.testing.redis_server import find_redis_server as _find_redis_server  # noqa: E402
+
+
+def _require_redis_server() -> None:
+    """Fail under CI (env CI set), else skip, when the redis-server binary is missing."""
+    if _find_redis_server() is None:
+        message = f"redis-server not found; {_REDIS_HINT}"
+        if _os.environ.get("CI"):
+            _pytest.fail(message)
+        _pytest.skip(message)
+
+
+@_pytest.fixture
+def redis_server_factory() -> _Iterator[_Callable[..., _RedisServer]]:
+    """``make(password=None, **kwargs)`` starts a fresh redis-server; all are stopped after the test."""
+    _require_redis_server()
+    started: list[_RedisServer] = []
+
+    def make(**kwargs: object) -> _RedisServer:
+        server = _RedisServer(**kwargs).start()  # type: ignore[arg-type]
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+@_pytest.fixture
+def redis_server(redis_server_factory: _Callable[..., _RedisServer]) -> _RedisServer:
+    """A fresh redis-server on a free loopback port (no password), stopped after the test."""
+    return redis_server_factory()
+
+
+# --- end of redis-server fixtures ----------------------------------------------------------
