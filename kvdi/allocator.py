@@ -66,7 +66,15 @@ class KVCacheSpec:
         """16 bytes that change whenever any layout field or the kvdi format version changes."""
         text = "|".join(
             str(v)
-            for v in (self.model_id, self.dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, FORMAT_VERSION)
+            for v in (
+                self.model_id,
+                self.dtype,
+                self.num_layers,
+                self.num_kv_heads,
+                self.head_dim,
+                self.block_size,
+                FORMAT_VERSION,
+            )
         )
         return hashlib.blake2b(text.encode(), digest_size=16).digest()
 

@@ -48,10 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     conns.set_defaults(func=cmd_connectors)
     check = sub.add_parser("check", help="validate settings, connector and allocation plan; exit 0 or 2")
     check.set_defaults(func=cmd_check)
-    demo = sub.add_parser("demo", help="producer/consumer engines on the embedded default; the main job", add_help=False)
+    demo = sub.add_parser(
+        "demo", help="producer/consumer engines on the embedded default; the main job", add_help=False
+    )
     demo.set_defaults(func=cmd_demo)
     bench = sub.add_parser("bench", help="ratio benchmarks: kvdi next to raw baselines in one run")
-    bench.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCHES)} (default: all)")
+    bench.add_argument(
+        "names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCHES)} (default: all)"
+    )
     bench.add_argument("--quick", action="store_true", help="fewer, smaller iterations")
     bench.add_argument("--json", action="store_true", help="print JSON")
     bench.set_defaults(func=cmd_bench)
@@ -213,7 +217,9 @@ def cmd_bench(args: argparse.Namespace, _rest: list[str]) -> int:
     names = args.names or list(BENCHES)
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
-        raise ConfigError(f"unknown benchmark {unknown[0]!r}; known: {', '.join(BENCHES)}{did_you_mean(unknown[0], BENCHES)}")
+        raise ConfigError(
+            f"unknown benchmark {unknown[0]!r}; known: {', '.join(BENCHES)}{did_you_mean(unknown[0], BENCHES)}"
+        )
     results: list[BenchResult] = []
     skipped: dict[str, str] = {}
     for name in names:
@@ -236,8 +242,14 @@ def cmd_bench(args: argparse.Namespace, _rest: list[str]) -> int:
         met = "-" if r.met is None else ("yes" if r.met else "NO")
         target = "-" if r.target is None else f"{'>=' if r.higher_is_better else '<='} {r.target:g}"
         table.add_row(
-            r.bench, r.metric, f"{r.kvdi:.3g} {r.unit}", f"{r.baseline:.3g} {r.unit} ({r.baseline_name})",
-            f"{r.ratio:.2f}x", target, met, r.note,
+            r.bench,
+            r.metric,
+            f"{r.kvdi:.3g} {r.unit}",
+            f"{r.baseline:.3g} {r.unit} ({r.baseline_name})",
+            f"{r.ratio:.2f}x",
+            target,
+            met,
+            r.note,
         )
     console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(table)

@@ -59,7 +59,9 @@ def connector_options(resolved: ResolvedConnector, settings: KvdiSettings) -> An
     raise TypeError(f"ConnectorSpec.settings of {resolved.spec.name!r} must be a field name or a pydantic model")
 
 
-def open_backend(resolved: ResolvedConnector, options: Any, layout: KVCacheSpec, settings: KvdiSettings) -> Iterator[Any]:
+def open_backend(
+    resolved: ResolvedConnector, options: Any, layout: KVCacheSpec, settings: KvdiSettings
+) -> Iterator[Any]:
     """Resource: the object both halves share, closed on ``shutdown_resources()``."""
     if resolved.backend_factory is None:
         yield None
@@ -100,7 +102,9 @@ class KVTransferContainer(containers.DeclarativeContainer):
     scheduler_connector = providers.Factory(
         build_half, connector, KVConnectorRole.SCHEDULER, settings, layout, options, backend
     )
-    worker_connector = providers.Factory(build_half, connector, KVConnectorRole.WORKER, settings, layout, options, backend)
+    worker_connector = providers.Factory(
+        build_half, connector, KVConnectorRole.WORKER, settings, layout, options, backend
+    )
 
 
 class AllocatorContainer(containers.DeclarativeContainer):
@@ -120,9 +124,14 @@ class EngineContainer(containers.DeclarativeContainer):
     kv = providers.Container(KVTransferContainer, settings=settings)
     alloc = providers.Container(AllocatorContainer, settings=settings)
 
-    model = providers.Singleton(LazyTarget("kvdi.engine.model:TransformerModel"), settings.provided.model, alloc.layout, alloc.plan)
+    model = providers.Singleton(
+        LazyTarget("kvdi.engine.model:TransformerModel"), settings.provided.model, alloc.layout, alloc.plan
+    )
     scheduler = providers.Singleton(
-        LazyTarget("kvdi.engine.scheduler:Scheduler"), connector=kv.scheduler_connector, plan=alloc.plan, settings=settings
+        LazyTarget("kvdi.engine.scheduler:Scheduler"),
+        connector=kv.scheduler_connector,
+        plan=alloc.plan,
+        settings=settings,
     )
     worker = providers.Singleton(
         LazyTarget("kvdi.engine.worker:Worker"),

@@ -75,23 +75,53 @@ class ResolvedConnector:
 
 _C = "kvdi.connectors"
 BUILTIN_SPECS: tuple[ConnectorSpec, ...] = (
-    ConnectorSpec("null", f"{_C}.null:NullSchedulerConnector", f"{_C}.null:NullWorkerConnector",
-                  description="does nothing; the baseline"),
-    ConnectorSpec("shared_storage", f"{_C}.store:StoreSchedulerConnector", f"{_C}.store:StoreWorkerConnector",
-                  backend=f"{_C}.shared_storage:open_store", settings="shared_storage",
-                  description="framed objects in a local directory (the embedded default)"),
-    ConnectorSpec("cpu_offload", f"{_C}.store:StoreSchedulerConnector", f"{_C}.store:StoreWorkerConnector",
-                  backend=f"{_C}.cpu_offload:open_store", settings="cpu_offload",
-                  description="host memory pool with LRU eviction"),
-    ConnectorSpec("redis", f"{_C}.store:StoreSchedulerConnector", f"{_C}.store:StoreWorkerConnector",
-                  backend=f"{_C}.redis:open_store", settings="redis", requires=("redis",),
-                  description="one Redis key per framed block"),
-    ConnectorSpec("multi", f"{_C}.store:StoreSchedulerConnector", f"{_C}.store:StoreWorkerConnector",
-                  backend=f"{_C}.multi:open_store", settings="multi",
-                  description="tiers in order, e.g. cpu_offload then shared_storage"),
-    ConnectorSpec("p2p", f"{_C}.p2p:P2pSchedulerConnector", f"{_C}.p2p:P2pWorkerConnector",
-                  backend=f"{_C}.p2p:open_channel", settings="p2p",
-                  description="producer to consumer over torch.distributed"),
+    ConnectorSpec(
+        "null",
+        f"{_C}.null:NullSchedulerConnector",
+        f"{_C}.null:NullWorkerConnector",
+        description="does nothing; the baseline",
+    ),
+    ConnectorSpec(
+        "shared_storage",
+        f"{_C}.store:StoreSchedulerConnector",
+        f"{_C}.store:StoreWorkerConnector",
+        backend=f"{_C}.shared_storage:open_store",
+        settings="shared_storage",
+        description="framed objects in a local directory (the embedded default)",
+    ),
+    ConnectorSpec(
+        "cpu_offload",
+        f"{_C}.store:StoreSchedulerConnector",
+        f"{_C}.store:StoreWorkerConnector",
+        backend=f"{_C}.cpu_offload:open_store",
+        settings="cpu_offload",
+        description="host memory pool with LRU eviction",
+    ),
+    ConnectorSpec(
+        "redis",
+        f"{_C}.store:StoreSchedulerConnector",
+        f"{_C}.store:StoreWorkerConnector",
+        backend=f"{_C}.redis:open_store",
+        settings="redis",
+        requires=("redis",),
+        description="one Redis key per framed block",
+    ),
+    ConnectorSpec(
+        "multi",
+        f"{_C}.store:StoreSchedulerConnector",
+        f"{_C}.store:StoreWorkerConnector",
+        backend=f"{_C}.multi:open_store",
+        settings="multi",
+        description="tiers in order, e.g. cpu_offload then shared_storage",
+    ),
+    ConnectorSpec(
+        "p2p",
+        f"{_C}.p2p:P2pSchedulerConnector",
+        f"{_C}.p2p:P2pWorkerConnector",
+        backend=f"{_C}.p2p:open_channel",
+        settings="p2p",
+        description="producer to consumer over torch.distributed",
+    ),
 )
 
 
@@ -201,7 +231,9 @@ class ConnectorRegistry:
         except ImportError as exc:
             raise ConnectorImportError(ep.value, exc) from exc
         if not isinstance(obj, ConnectorSpec):
-            raise ConnectorTypeError(f"entry point {name!r} ({ep.value}) must be a kvdi ConnectorSpec, got {type(obj).__name__}")
+            raise ConnectorTypeError(
+                f"entry point {name!r} ({ep.value}) must be a kvdi ConnectorSpec, got {type(obj).__name__}"
+            )
         self.register(_renamed(obj, name), origin="entry-point")
 
     def _load_module_path(self, name: str, module_path: str) -> None:
@@ -216,7 +248,9 @@ class ConnectorRegistry:
             self.register(_renamed(specs[0], name), origin="module-path")
             return
         if len(specs) > 1:
-            raise ConnectorTypeError(f"module {module_path!r} exposes several ConnectorSpecs and none is named {name!r}")
+            raise ConnectorTypeError(
+                f"module {module_path!r} exposes several ConnectorSpecs and none is named {name!r}"
+            )
         if not hasattr(module, name):
             raise ConnectorImportError(
                 f"{module_path}:{name}",
@@ -229,7 +263,9 @@ class ConnectorRegistry:
 def _renamed(spec: ConnectorSpec, name: str) -> ConnectorSpec:
     if spec.name == name:
         return spec
-    return ConnectorSpec(name, spec.scheduler, spec.worker, spec.backend, spec.settings, spec.requires, spec.description)
+    return ConnectorSpec(
+        name, spec.scheduler, spec.worker, spec.backend, spec.settings, spec.requires, spec.description
+    )
 
 
 def _checked_class(target: str, base: type[Any]) -> Any:

@@ -94,9 +94,7 @@ class ModelSettings(_Section):
     @model_validator(mode="after")
     def _gqa(self) -> ModelSettings:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         return self
 
 
@@ -203,7 +201,9 @@ def parse_transfer_config(raw: str) -> dict[str, Any]:
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{TRANSFER_CONFIG_ENV} is not valid JSON ({exc.msg} at char {exc.pos}): {raw[:80]!r}") from None
+        raise ConfigError(
+            f"{TRANSFER_CONFIG_ENV} is not valid JSON ({exc.msg} at char {exc.pos}): {raw[:80]!r}"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{TRANSFER_CONFIG_ENV} must be a JSON object, got {type(data).__name__}")
     out: dict[str, Any] = {}
@@ -287,7 +287,12 @@ def named_sources(
 ) -> tuple[tuple[str, ...], tuple[PydanticBaseSettingsSource, ...]]:
     """The one ordered list of sources, highest precedence first, with a name for each."""
     names: list[str] = ["init", "env", "env", "dotenv"]
-    sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings, VllmCompatSource(settings_cls), dotenv_settings]
+    sources: list[PydanticBaseSettingsSource] = [
+        init_settings,
+        env_settings,
+        VllmCompatSource(settings_cls),
+        dotenv_settings,
+    ]
     toml_file = os.environ.get(SETTINGS_FILE_ENV)
     if toml_file:
         path = Path(toml_file)

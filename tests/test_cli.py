@@ -29,7 +29,7 @@ def kvdi(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None)
 def test_info_shows_env_as_the_source_of_the_connector(tmp_path: Path) -> None:
     r = kvdi("info", env={"KVDI_KV_CONNECTOR": "null"}, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert '  kv_connector' in r.stdout and '= "null"  [env]' in r.stdout
+    assert "  kv_connector" in r.stdout and '= "null"  [env]' in r.stdout
     assert "scheduler: kvdi.connectors.null.NullSchedulerConnector" in r.stdout
     assert "(not allocated)" in r.stdout
 
@@ -47,9 +47,15 @@ def test_info_shows_file_as_the_source_with_a_profile(tmp_path: Path) -> None:
 
 
 def test_info_masks_secrets(tmp_path: Path) -> None:
-    r = kvdi("info", env={"KVDI_KV_CONNECTOR": "null", "KVDI_REDIS__URL": "redis://:hunter2@127.0.0.1:1/0",
-                          "KVDI_KV_CONNECTOR_EXTRA_CONFIG": '{"password": "pw123", "url": "redis://u:pw456@h/0"}'},
-             cwd=tmp_path)
+    r = kvdi(
+        "info",
+        env={
+            "KVDI_KV_CONNECTOR": "null",
+            "KVDI_REDIS__URL": "redis://:hunter2@127.0.0.1:1/0",
+            "KVDI_KV_CONNECTOR_EXTRA_CONFIG": '{"password": "pw123", "url": "redis://u:pw456@h/0"}',
+        },
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     for secret in ("hunter2", "pw123", "pw456"):
         assert secret not in r.stdout
@@ -64,7 +70,10 @@ def test_check_passes_on_valid_settings(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({"KVDI_KV_CONNECTOR": "shared_storag"}, "registered: cpu_offload, multi, null, p2p, redis, shared_storage (did you mean 'shared_storage'?)"),
+        (
+            {"KVDI_KV_CONNECTOR": "shared_storag"},
+            "registered: cpu_offload, multi, null, p2p, redis, shared_storage (did you mean 'shared_storage'?)",
+        ),
         ({"KVDI_USE_V1": "0"}, "V1 gate is off (KVDI_USE_V1=0)"),
         ({"VLLM_USE_V1": "0"}, "V1 gate is off (VLLM_USE_V1=0)"),
         ({"KVDI_KV_ROLE": "producer"}, "KVDI_KV_ROLE='producer'"),
@@ -86,7 +95,9 @@ def test_check_prints_one_line_and_exits_2(tmp_path: Path, env: dict[str, str], 
 
 
 def test_connectors_lists_every_builtin_without_importing_torch(tmp_path: Path) -> None:
-    code = "import sys, json; from kvdi.cli import main; main(['connectors', '--json']); assert 'torch' not in sys.modules"
+    code = (
+        "import sys, json; from kvdi.cli import main; main(['connectors', '--json']); assert 'torch' not in sys.modules"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert r.returncode == 0, r.stderr
     rows = {row["name"]: row for row in json.loads(r.stdout)}

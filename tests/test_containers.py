@@ -6,11 +6,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from registry_helpers import CONNECTOR_MODULE, install_entry_point, write_module
+
 from kvdi.connectors.base import KVConnectorRole, SchedulerConnector, WorkerConnector, require_role
 from kvdi.containers import build_engine_container, build_kv_container
 from kvdi.errors import ConnectorTypeError, UnknownConnectorError, V1EngineRequiredError
 from kvdi.registry import ConnectorRegistry, ConnectorSpec
-from registry_helpers import CONNECTOR_MODULE, install_entry_point, write_module
 
 
 def test_container_builds_both_halves_of_the_selected_connector(kvdi_env: Path) -> None:
@@ -32,7 +33,9 @@ def test_unknown_connector_fails_at_build_time(kvdi_env: Path) -> None:
 
 
 @pytest.mark.parametrize("var", ["KVDI_USE_V1", "VLLM_USE_V1"])
-def test_v1_gate_refuses_to_build_and_names_both_env_vars(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch, var: str) -> None:
+def test_v1_gate_refuses_to_build_and_names_both_env_vars(
+    kvdi_env: Path, monkeypatch: pytest.MonkeyPatch, var: str
+) -> None:
     monkeypatch.setenv(var, "0")
     with pytest.raises(V1EngineRequiredError) as err:
         build_kv_container(kv_connector="null")
@@ -58,8 +61,13 @@ def test_two_containers_with_different_settings_coexist(kvdi_env: Path, tmp_path
 
 
 def test_containers_can_hold_different_registries(kvdi_env: Path) -> None:
-    reg = ConnectorRegistry(specs=[ConnectorSpec("custom", "kvdi.connectors.null:NullSchedulerConnector",
-                                                 "kvdi.connectors.null:NullWorkerConnector")])
+    reg = ConnectorRegistry(
+        specs=[
+            ConnectorSpec(
+                "custom", "kvdi.connectors.null:NullSchedulerConnector", "kvdi.connectors.null:NullWorkerConnector"
+            )
+        ]
+    )
     assert build_kv_container(kv_connector="custom", registry=reg).worker_connector().name == "custom"
     with pytest.raises(UnknownConnectorError):
         build_kv_container(kv_connector="custom")
@@ -87,7 +95,8 @@ def test_entry_point_connector_is_built_and_imported_only_when_selected(
     monkeypatch.syspath_prepend(str(tmp_path))
     impl = write_module(tmp_path, CONNECTOR_MODULE)
     spec_mod = write_module(
-        tmp_path, f'from kvdi.registry import ConnectorSpec\nSPEC = ConnectorSpec("x", "{impl}:MySched", "{impl}:MyWorker")\n'
+        tmp_path,
+        f'from kvdi.registry import ConnectorSpec\nSPEC = ConnectorSpec("x", "{impl}:MySched", "{impl}:MyWorker")\n',
     )
     install_entry_point(tmp_path, "plugin_conn", spec_mod, "SPEC")
     build_kv_container(kv_connector="null").worker_connector()
@@ -101,7 +110,10 @@ def test_entry_point_connector_is_built_and_imported_only_when_selected(
 def test_dual_role_object_built_for_one_role_is_refused_for_the_other(kvdi_env: Path) -> None:
     c = build_kv_container(kv_connector="null")
     require_role(c.worker_connector(), KVConnectorRole.WORKER, "Worker")
-    with pytest.raises(ConnectorTypeError, match="Scheduler needs a SchedulerConnector built for role SCHEDULER, got NullWorkerConnector"):
+    with pytest.raises(
+        ConnectorTypeError,
+        match="Scheduler needs a SchedulerConnector built for role SCHEDULER, got NullWorkerConnector",
+    ):
         require_role(c.worker_connector(), KVConnectorRole.SCHEDULER, "Scheduler")
 
 
@@ -123,13 +135,19 @@ def test_engine_components_receive_their_own_half_and_the_allocator(kvdi_contain
 
 def test_scheduler_component_refuses_a_worker_half(kvdi_container) -> None:  # type: ignore[no-untyped-def]
     c = kvdi_container
-    with c.kv.scheduler_connector.override(c.kv.worker_connector), pytest.raises(ConnectorTypeError, match="Scheduler needs"):
+    with (
+        c.kv.scheduler_connector.override(c.kv.worker_connector),
+        pytest.raises(ConnectorTypeError, match="Scheduler needs"),
+    ):
         c.scheduler()
 
 
 def test_worker_component_refuses_a_scheduler_half(kvdi_container) -> None:  # type: ignore[no-untyped-def]
     c = kvdi_container
-    with c.kv.worker_connector.override(c.kv.scheduler_connector), pytest.raises(ConnectorTypeError, match="Worker needs"):
+    with (
+        c.kv.worker_connector.override(c.kv.scheduler_connector),
+        pytest.raises(ConnectorTypeError, match="Worker needs"),
+    ):
         c.worker()
 
 

@@ -7,14 +7,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from registry_helpers import CONNECTOR_MODULE, install_entry_point, write_module
 
 from kvdi.connectors.base import SchedulerConnector, WorkerConnector
 from kvdi.errors import ConnectorImportError, ConnectorTypeError, DuplicateConnectorError, UnknownConnectorError
 from kvdi.registry import ConnectorRegistry, ConnectorSpec
-from registry_helpers import CONNECTOR_MODULE, install_entry_point, write_module
 
 NULL_S = "kvdi.connectors.null:NullSchedulerConnector"
 NULL_W = "kvdi.connectors.null:NullWorkerConnector"
+
 
 def test_builtins_are_listed_without_importing_connector_modules() -> None:
     code = (
@@ -81,9 +82,13 @@ def test_two_registries_are_independent() -> None:
     assert "only-a" in a.names() and "only-a" not in b.names()
 
 
-def test_module_path_with_a_spec_is_imported_only_when_selected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_module_path_with_a_spec_is_imported_only_when_selected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
-    name = write_module(tmp_path, CONNECTOR_MODULE + f'\nSPEC = ConnectorSpec("mine", "{{m}}:MySched", "{{m}}:MyWorker")\n')
+    name = write_module(
+        tmp_path, CONNECTOR_MODULE + '\nSPEC = ConnectorSpec("mine", "{m}:MySched", "{m}:MyWorker")\n'
+    )
     path = tmp_path / f"{name}.py"
     path.write_text("from kvdi.registry import ConnectorSpec\n" + path.read_text().replace("{m}", name))
     reg = ConnectorRegistry()
@@ -92,10 +97,16 @@ def test_module_path_with_a_spec_is_imported_only_when_selected(tmp_path: Path, 
     assert name not in sys.modules
     resolved = reg.resolve("mine", module_path=name)
     assert name in sys.modules
-    assert (resolved.scheduler_cls.__name__, resolved.worker_cls.__name__, resolved.origin) == ("MySched", "MyWorker", "module-path")
+    assert (resolved.scheduler_cls.__name__, resolved.worker_cls.__name__, resolved.origin) == (
+        "MySched",
+        "MyWorker",
+        "module-path",
+    )
 
 
-def test_module_path_with_a_single_vllm_style_class_serves_both_roles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_module_path_with_a_single_vllm_style_class_serves_both_roles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
     name = write_module(tmp_path, CONNECTOR_MODULE)
     resolved = ConnectorRegistry().resolve("DualRole", module_path=name)
@@ -103,7 +114,9 @@ def test_module_path_with_a_single_vllm_style_class_serves_both_roles(tmp_path: 
     assert resolved.scheduler_cls.__name__ == "DualRole"
 
 
-def test_module_path_without_the_named_class_is_an_import_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_module_path_without_the_named_class_is_an_import_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
     name = write_module(tmp_path, CONNECTOR_MODULE)
     with pytest.raises(ConnectorImportError, match="no ConnectorSpec and no class named 'Missing'"):
@@ -114,7 +127,8 @@ def test_entry_point_connector_is_listed_lazily_and_resolved(tmp_path: Path, mon
     monkeypatch.syspath_prepend(str(tmp_path))
     impl = write_module(tmp_path, CONNECTOR_MODULE)
     spec_mod = write_module(
-        tmp_path, f'from kvdi.registry import ConnectorSpec\nSPEC = ConnectorSpec("ep", "{impl}:MySched", "{impl}:MyWorker")\n'
+        tmp_path,
+        f'from kvdi.registry import ConnectorSpec\nSPEC = ConnectorSpec("ep", "{impl}:MySched", "{impl}:MyWorker")\n',
     )
     install_entry_point(tmp_path, "from_ep", spec_mod, "SPEC")
     reg = ConnectorRegistry()

@@ -15,7 +15,12 @@ PROFILES = sorted((ROOT / "settings").glob("*.toml"))
 
 def test_defaults_select_the_embedded_default(kvdi_env: Path) -> None:
     s = load_settings()
-    assert (s.kv_connector, s.kv_role, s.kv_load_failure_policy, s.use_v1) == ("shared_storage", "kv_both", "recompute", True)
+    assert (s.kv_connector, s.kv_role, s.kv_load_failure_policy, s.use_v1) == (
+        "shared_storage",
+        "kv_both",
+        "recompute",
+        True,
+    )
 
 
 def test_engine_id_defaults_to_a_fresh_uuid(kvdi_env: Path) -> None:
@@ -42,18 +47,30 @@ def test_toml_file_is_reported_as_file(kvdi_env: Path, monkeypatch: pytest.Monke
     assert value_sources()["allocator.block_size"] == "file"
 
 
-def test_init_beats_env_beats_dotenv_beats_file(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_init_beats_env_beats_dotenv_beats_file(
+    kvdi_env: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     path = tmp_path / "p.toml"
-    path.write_text('kv_connector = "from-file"\nkv_role = "kv_producer"\nengine_id = "file"\nkv_load_failure_policy = "fail"\n')
+    path.write_text(
+        'kv_connector = "from-file"\nkv_role = "kv_producer"\nengine_id = "file"\nkv_load_failure_policy = "fail"\n'
+    )
     monkeypatch.setenv("KVDI_SETTINGS_FILE", str(path))
     (kvdi_env / ".env").write_text("KVDI_KV_ROLE=kv_consumer\nKVDI_ENGINE_ID=dotenv\nKVDI_KV_CONNECTOR=from-dotenv\n")
     monkeypatch.setenv("KVDI_KV_CONNECTOR", "from-env")
     monkeypatch.setenv("KVDI_ENGINE_ID", "env")
     s = load_settings(engine_id="init")
-    assert (s.engine_id, s.kv_connector, s.kv_role, s.kv_load_failure_policy) == ("init", "from-env", "kv_consumer", "fail")
+    assert (s.engine_id, s.kv_connector, s.kv_role, s.kv_load_failure_policy) == (
+        "init",
+        "from-env",
+        "kv_consumer",
+        "fail",
+    )
     sources = value_sources(engine_id="init")
     assert [sources[k] for k in ("engine_id", "kv_connector", "kv_role", "kv_load_failure_policy")] == [
-        "init", "env", "dotenv", "file"
+        "init",
+        "env",
+        "dotenv",
+        "file",
     ]
 
 
@@ -82,7 +99,12 @@ def test_vllm_transfer_config_json_maps_onto_fields(kvdi_env: Path, monkeypatch:
         '{"kv_connector": "null", "kv_role": "kv_consumer", "kv_port": 15000, "kv_connector_extra_config": {"a": 1}}',
     )
     s = load_settings()
-    assert (s.kv_connector, s.kv_role, s.p2p.kv_port, s.kv_connector_extra_config) == ("null", "kv_consumer", 15000, {"a": 1})
+    assert (s.kv_connector, s.kv_role, s.p2p.kv_port, s.kv_connector_extra_config) == (
+        "null",
+        "kv_consumer",
+        15000,
+        {"a": 1},
+    )
 
 
 def test_explicit_env_beats_transfer_config_json(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,7 +163,10 @@ def test_unknown_key_in_toml_file_is_rejected(kvdi_env: Path, monkeypatch: pytes
     path = tmp_path / "p.toml"
     path.write_text("[allocator]\nblok_size = 8\n")
     monkeypatch.setenv("KVDI_SETTINGS_FILE", str(path))
-    with pytest.raises(ConfigError, match=r"allocator.blok_size \(KVDI_ALLOCATOR__BLOK_SIZE\): unknown setting.*did you mean 'block_size'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"allocator.blok_size \(KVDI_ALLOCATOR__BLOK_SIZE\): unknown setting.*did you mean 'block_size'",
+    ):
         load_settings()
 
 
@@ -151,7 +176,9 @@ def test_both_budgets_are_refused(kvdi_env: Path) -> None:
 
 
 @pytest.mark.parametrize("fraction", ["0", "1.5", "-0.1"])
-def test_memory_fraction_outside_unit_interval_is_refused(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch, fraction: str) -> None:
+def test_memory_fraction_outside_unit_interval_is_refused(
+    kvdi_env: Path, monkeypatch: pytest.MonkeyPatch, fraction: str
+) -> None:
     monkeypatch.setenv("KVDI_ALLOCATOR__MEMORY_FRACTION", fraction)
     with pytest.raises(ConfigError, match="KVDI_ALLOCATOR__MEMORY_FRACTION"):
         load_settings()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-INNER = '''
+INNER = """
 import pytest
 from kvdi.containers import build_kv_container
 from kvdi.testing import RecordingWorkerConnector, recording_halves
@@ -40,7 +40,7 @@ def test_isolated_container_uses_cpu_and_a_temp_store(kvdi_container, tmp_path):
 def test_kvdi_env_clears_kvdi_variables(kvdi_env):
     import os
     assert not [k for k in os.environ if k.startswith("KVDI_")]
-'''
+"""
 
 
 def test_plugin_fixtures_and_overrides(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:

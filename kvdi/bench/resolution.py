@@ -27,7 +27,12 @@ def run(quick: bool) -> list[BenchResult]:
     """Time ``container.worker_connector()`` next to ``Cls(ConnectorContext(...))`` in the same run."""
     container = build_kv_container(kv_connector="null")
     resolved = container.connector()
-    settings, layout, options, backend = container.settings(), container.layout(), container.options(), container.backend()
+    settings, layout, options, backend = (
+        container.settings(),
+        container.layout(),
+        container.options(),
+        container.backend(),
+    )
     cls = resolved.worker_cls
 
     def direct() -> object:
@@ -38,9 +43,26 @@ def run(quick: bool) -> list[BenchResult]:
     by_hand = _per_call_us(direct, calls)
     added = via_container - by_hand
     return [
-        BenchResult("resolution", "worker_connector() per call", "us", via_container, by_hand, "direct construction",
-                    via_container / by_hand, note=f"added {added:.2f} us per call"),
-        BenchResult("resolution", "added time per call", "us", added, TARGET_ADDED_US, "target bound",
-                    added / TARGET_ADDED_US, target=1.0, higher_is_better=False,
-                    note=f"{added:.2f} us added; target < {TARGET_ADDED_US:g} us"),
+        BenchResult(
+            "resolution",
+            "worker_connector() per call",
+            "us",
+            via_container,
+            by_hand,
+            "direct construction",
+            via_container / by_hand,
+            note=f"added {added:.2f} us per call",
+        ),
+        BenchResult(
+            "resolution",
+            "added time per call",
+            "us",
+            added,
+            TARGET_ADDED_US,
+            "target bound",
+            added / TARGET_ADDED_US,
+            target=1.0,
+            higher_is_better=False,
+            note=f"{added:.2f} us added; target < {TARGET_ADDED_US:g} us",
+        ),
     ]

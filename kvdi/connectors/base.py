@@ -270,7 +270,7 @@ class WorkerConnector(_Half):
 
 
 def require_role(connector: object, role: KVConnectorRole, component: str) -> None:
-    """Raise ConnectorTypeError (a TypeError) unless ``connector`` is the ``role`` half; components call this in ``__init__``."""
+    """Raise ConnectorTypeError (a TypeError) unless ``connector`` is the ``role`` half; call it in ``__init__``."""
     base = SchedulerConnector if role is KVConnectorRole.SCHEDULER else WorkerConnector
     if not isinstance(connector, base) or connector.role is not role:
         got = getattr(connector, "role", None)

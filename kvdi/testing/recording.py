@@ -62,7 +62,9 @@ class RecordingSchedulerConnector(SchedulerConnector):
         return self.inner.get_num_new_matched_tokens(request, num_computed_tokens) if self.inner else (0, False)
 
     def update_state_after_alloc(self, request: KVRequest, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        self.log.record("scheduler", "update_state_after_alloc", request.request_id, tuple(block_ids), num_external_tokens)
+        self.log.record(
+            "scheduler", "update_state_after_alloc", request.request_id, tuple(block_ids), num_external_tokens
+        )
         if self.inner:
             self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
 
