@@ -48,3 +48,32 @@ def test_plugin_fixtures_and_overrides(pytester: pytest.Pytester, monkeypatch: p
     pytester.makepyfile(test_inner=INNER)
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=4)
+
+
+@pytest.fixture
+def kvdi_overrides() -> dict[str, object]:
+    """This module's isolated containers: null connector, small pool (overrides the plugin's fixture)."""
+    return {"kv_connector": "null", "allocator": {"device": "cpu", "num_blocks": 64}}
+
+
+def test_recording_worker_sees_one_step_in_contract_order(kvdi_container, kvdi_override) -> None:  # type: ignore[no-untyped-def]
+    from kvdi.testing import recording_halves
+
+    sched, worker, log = recording_halves(kvdi_container)
+    kvdi_override(kvdi_container, scheduler=sched, worker=worker)
+    kvdi_container.engine().generate([[5, 6, 7] * 12], max_new_tokens=1)
+    calls = log.methods("worker")
+    layers = kvdi_container.alloc.layout().layer_names
+    assert calls[0] == "register_kv_caches"
+    first_step = calls[1 : calls.index("clear_connector_metadata") + 1]
+    assert first_step == [
+        "bind_connector_metadata",
+        "start_load_kv",
+        "get_block_ids_with_load_errors",
+        *["wait_for_layer_load", "save_kv_layer"] * len(layers),
+        "wait_for_save",
+        "get_finished",
+        "clear_connector_metadata",
+    ]
+    assert log.methods("scheduler")[:2] == ["get_num_new_matched_tokens", "update_state_after_alloc"]
+    assert "request_finished" in log.methods("scheduler")

@@ -19,7 +19,8 @@ from kvdi.testing.recording import Call, CallLog, RecordingSchedulerConnector, R
 
 
 def _kv(container: EngineContainer | KVTransferContainer) -> Any:
-    return container.kv if isinstance(container, EngineContainer) else container
+    # Instances of declarative containers are DynamicContainers: look for the sub-container.
+    return getattr(container, "kv", container)
 
 
 @contextmanager

@@ -75,7 +75,7 @@ def kvdi_override() -> Iterator[Callable[..., None]]:
         ) -> None:
             stack.enter_context(override_connector(container, scheduler=scheduler, worker=worker))
             if allocator is not None:
-                if not isinstance(container, EngineContainer):
+                if not hasattr(container, "alloc"):
                     raise TypeError("allocator overrides need an EngineContainer")
                 stack.enter_context(override_allocator(container, allocator))
 

@@ -1,0 +1,212 @@
+"""A throwaway ``redis-server`` on a free loopback port, for tests and benchmarks.
+
+:class:`RedisServer` starts ``redis-server --port N --bind 127.0.0.1 --save '' --appendonly no``
+in a temporary directory, waits until it answers ``PING``, and stops it on exit. It can also
+:meth:`~RedisServer.kill` the server (SIGKILL, as a crash), :meth:`~RedisServer.restart` it on
+the same port, or :meth:`~RedisServer.freeze` it (SIGSTOP, as a hung server). It talks to the
+server over a raw socket, so it needs no redis-py.
+
+    with RedisServer(password="secret") as server:
+        store = open_store(RedisSettings(url=server.url), ...)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+INSTALL_HINT = "install it with: apt-get install -y redis-server (or brew install redis)"
+_PING_REPLIES = (b"+PONG", b"-NOAUTH")  # a password-protected server refuses PING but is up
+
+
+class RedisServerError(RuntimeError):
+    """The redis-server binary is missing or the server did not come up."""
+
+
+def find_redis_server() -> str | None:
+    """Path of the ``redis-server`` binary (``KVDI_TEST_REDIS_SERVER`` or ``$PATH``), or None."""
+    explicit = os.environ.get("KVDI_TEST_REDIS_SERVER")
+    if explicit:
+        return explicit if os.access(explicit, os.X_OK) else None
+    return shutil.which("redis-server")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def ping(port: int, timeout: float = 0.2) -> bool:
+    """True when something on ``127.0.0.1:port`` answers ``PING`` like a Redis server."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+            sock.sendall(b"PING\r\n")
+            reply = sock.recv(64)
+    except OSError:
+        return False
+    return reply.startswith(_PING_REPLIES)
+
+
+class RedisServer:
+    """One ``redis-server`` process on 127.0.0.1; use as a context manager or call start()/stop()."""
+
+    def __init__(
+        self,
+        *,
+        password: str | None = None,
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+        start_timeout_s: float = 10.0,
+    ) -> None:
+        binary = find_redis_server()
+        if binary is None:
+            raise RedisServerError(f"redis-server not found; {INSTALL_HINT}")
+        self.binary = binary
+        self.password = password
+        self.port = port if port is not None else free_port()
+        self._fixed_port = port is not None
+        self.extra_args = extra_args
+        self.start_timeout_s = start_timeout_s
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """``redis://[:password@]127.0.0.1:PORT/0``."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        """True while the server process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id, or None when stopped."""
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> RedisServer:
+        """Start the server and wait until it answers PING; retries other ports if a chosen one was taken."""
+        if self.running:
+            return self
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvdi-redis-")
+        attempts = 1 if self._fixed_port else 3
+        for attempt in range(attempts):
+            try:
+                self._spawn_and_wait()
+                return self
+            except RedisServerError:
+                if attempt == attempts - 1:
+                    raise
+                self.port = free_port()
+        return self  # unreachable; keeps type checkers content
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL) and remove its directory."""
+        self._terminate(signal.SIGTERM)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would; the port stays reserved for :meth:`restart`."""
+        self._terminate(signal.SIGKILL)
+
+    def freeze(self) -> None:
+        """SIGSTOP the server: it keeps its port and connections but answers nothing (a hung server)."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT a frozen server."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGCONT)
+
+    def restart(self) -> None:
+        """Start a fresh server (empty data) on the same port."""
+        self._terminate(signal.SIGKILL)
+        self._fixed_port = True
+        self.start()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        shown = self.url.replace(f":{self.password}@", ":***@") if self.password else self.url
+        return f"RedisServer({shown}, {state})"
+
+    def _command(self) -> list[str]:
+        assert self._tmp is not None
+        cmd = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--daemonize", "no",
+            "--dir", self._tmp.name,
+            "--logfile", str(self._log_path),
+        ]  # fmt: skip
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        return cmd + list(self.extra_args)
+
+    @property
+    def _log_path(self) -> Path:
+        assert self._tmp is not None
+        return Path(self._tmp.name) / "redis.log"
+
+    def _spawn_and_wait(self) -> None:
+        assert self._tmp is not None
+        with open(Path(self._tmp.name) / "stdio.log", "ab") as stdio:
+            self._proc = subprocess.Popen(self._command(), stdin=subprocess.DEVNULL, stdout=stdio, stderr=stdio)
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                break
+            if ping(self.port):
+                return
+            time.sleep(0.01)
+        self._terminate(signal.SIGKILL)
+        raise RedisServerError(f"redis-server on 127.0.0.1:{self.port} did not come up: {self._log_tail()}")
+
+    def _terminate(self, sig: signal.Signals) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            proc.send_signal(signal.SIGCONT)  # a frozen server must wake up to handle SIGTERM
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def _log_tail(self) -> str:
+        assert self._tmp is not None
+        lines: list[str] = []
+        for path in (Path(self._tmp.name) / "stdio.log", self._log_path):
+            try:
+                lines += path.read_text(errors="replace").strip().splitlines()[-3:]
+            except OSError:
+                continue
+        return " | ".join(lines) or "no log"
