@@ -1,0 +1,98 @@
+"""``kvdi demo``: a consumer that loaded a producer's KV generates exactly what a null-connector engine does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvdi.demo import main
+
+SMALL = ["--prompts", "2", "--prompt-len", "48", "--new-tokens", "3"]
+
+
+@pytest.fixture
+def small_model(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Isolated env with a small model and CPU cache, so the demo takes a second."""
+    for key, value in {
+        "NUM_LAYERS": "2",
+        "HIDDEN_SIZE": "64",
+        "NUM_HEADS": "4",
+        "NUM_KV_HEADS": "2",
+        "HEAD_DIM": "16",
+        "INTERMEDIATE_SIZE": "128",
+        "VOCAB_SIZE": "256",
+    }.items():
+        monkeypatch.setenv(f"KVDI_MODEL__{key}", value)
+    monkeypatch.setenv("KVDI_ALLOCATOR__DEVICE", "cpu")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # subprocesses: no OpenMP spinning on a shared machine
+    monkeypatch.setenv("KVDI_ALLOCATOR__BLOCK_SIZE", "8")
+    return kvdi_env
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
+    code = main(["--json", *SMALL, *args])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_demo_exits_0_with_identical_tokens_and_loaded_tokens(
+    small_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, report = run_json(capsys)
+    assert code == 0 and report["identical"] is True and report["loaded_tokens"] > 0
+
+
+def test_demo_json_counts_loaded_and_computed_tokens(small_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, report = run_json(capsys)
+    assert report["loaded_tokens"] == 2 * 40  # 5 full blocks of 8 per 48-token prompt; the last block is computed
+    assert report["computed_tokens"] == 2 * 8 and report["baseline_computed_tokens"] == 2 * 48
+    assert report["bytes_loaded"] > 0 and report["bytes_saved"] >= report["bytes_loaded"]
+
+
+def test_demo_table_shows_the_same_figures_as_json(small_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, report = run_json(capsys)
+    assert main(SMALL) == 0
+    table = capsys.readouterr().out
+    for figure in ("prompt_tokens", "loaded_tokens", "computed_tokens", "baseline_computed_tokens"):
+        assert str(report[figure]) in table
+    assert f"{report['bytes_loaded']:,}" in table and "identical" in table and "yes" in table
+
+
+def test_demo_writes_into_the_given_store_dir(
+    small_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "store"
+    code, _ = run_json(capsys, "--store-dir", str(store))
+    assert code == 0 and any(p.is_file() for p in store.rglob("*"))
+
+
+def test_demo_exits_1_when_nothing_can_be_loaded(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVDI_KV_CONNECTOR", "null")
+    code, report = run_json(capsys)
+    assert code == 1 and report["loaded_tokens"] == 0 and report["identical"] is True
+
+
+def test_kvdi_demo_command_exits_0(small_model: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvdi.cli", "demo", "--json", *SMALL], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["identical"] is True and report["loaded_tokens"] > 0
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread: on a shared 2-core machine, OpenMP threads waiting on each other cost seconds."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
