@@ -90,6 +90,15 @@ def build_half(
     return half
 
 
+def running_engine(scheduler: Any, worker: Any) -> Iterator[Any]:
+    """Resource: the LLMEngine, whose connector halves are shut down by ``shutdown_resources()``."""
+    engine = LazyTarget("kvdi.engine.engine:LLMEngine")(scheduler=scheduler, worker=worker)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
 class KVTransferContainer(containers.DeclarativeContainer):
     """Selects the connector named by settings and builds its scheduler and worker halves."""
 
@@ -140,7 +149,7 @@ class EngineContainer(containers.DeclarativeContainer):
         model=model,
         settings=settings,
     )
-    engine = providers.Singleton(LazyTarget("kvdi.engine.engine:LLMEngine"), scheduler=scheduler, worker=worker)
+    engine = providers.Resource(running_engine, scheduler=scheduler, worker=worker)
 
 
 def build_kv_container(

@@ -175,8 +175,10 @@ def print_report(report: DemoReport) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"kvdi demo: {report.prompts} prompts through {report.connector!r} on {report.device}")
-    table.add_column("figure")
+    table = Table(
+        title=f"kvdi demo: {report.prompts} prompts, {report.connector}, {report.device}", title_justify="left"
+    )
+    table.add_column("figure", min_width=34)
     table.add_column("value", justify="right")
     rows = [
         ("prompt tokens", f"{report.prompt_tokens}"),

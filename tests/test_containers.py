@@ -162,3 +162,15 @@ def test_engine_container_validates_the_plan_at_build_time(kvdi_env: Path) -> No
 
     with pytest.raises(AllocationError, match="no KV block fits"):
         build_engine_container(kv_connector="null", allocator={"device": "cpu", "memory_fraction": 1e-12})
+
+
+def test_shutdown_resources_shuts_down_both_connector_halves(kvdi_container) -> None:  # type: ignore[no-untyped-def]
+    from kvdi.testing import override_connector, recording_halves
+
+    c = kvdi_container
+    sched, worker, log = recording_halves(c)
+    with override_connector(c, scheduler=sched, worker=worker):
+        c.engine()
+    c.shutdown_resources()
+    assert log.methods().count("shutdown") == 2
+    assert c.alloc.planner().kv_caches == {}
