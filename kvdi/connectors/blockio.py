@@ -1,0 +1,112 @@
+"""Byte views of the paged KV cache for the store halves: where a block's frame is read from and written to.
+
+A block of one layer (``cache[block_id]``, K then V) is contiguous, so one stored payload is
+``num_layers`` contiguous pieces. On a CPU cache the pieces are views of the cache itself:
+saves write straight from it and loads read straight into it (no staging copy). On a device
+cache, blocks bounce through a host staging buffer (pinned when CUDA is present).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+
+class CacheIO:
+    """Per-layer uint8 views of the caches, plus staging for device caches."""
+
+    def __init__(
+        self, caches: Sequence[torch.Tensor], layer_bytes: int, chunk: int, staging: bool | None = None
+    ) -> None:
+        """``staging`` forces (True) or forbids (False) the host bounce; None: only for non-CPU caches."""
+        import torch
+
+        if not caches:
+            raise ValueError("register_kv_caches() got no cache tensors")
+        first = caches[0]
+        self.num_blocks = int(first.shape[0])
+        self.layer_bytes = layer_bytes
+        self._u8: list[torch.Tensor] = []
+        for t in caches:
+            if not t.is_contiguous() or t.device != first.device or int(t.shape[0]) != self.num_blocks:
+                raise ValueError("cache tensors must be contiguous, on one device, with the same number of blocks")
+            if t[0].numel() * t.element_size() != layer_bytes:
+                raise ValueError(
+                    f"a cache block of shape {tuple(t.shape[1:])} ({t.dtype}) is not {layer_bytes} B: "
+                    "the cache does not match the connector's KV layout"
+                )
+            self._u8.append(t.view(torch.uint8).view(self.num_blocks, layer_bytes))
+        self.direct = first.device.type == "cpu" if staging is None else not staging
+        self._np = [u.numpy() for u in self._u8] if self.direct else []
+        self._staging: torch.Tensor | None = None
+        self._staging_np: np.ndarray | None = None
+        if not self.direct:
+            pin = torch.cuda.is_available()
+            shape = (chunk, layer_bytes * len(caches))
+            self._staging = torch.empty(shape, dtype=torch.uint8, pin_memory=pin and first.device.type == "cuda")
+            self._staging_np = self._staging.numpy()
+
+    def _row_pieces(self, i: int) -> list[memoryview]:
+        assert self._staging_np is not None
+        row, lb = self._staging_np[i], self.layer_bytes
+        return [memoryview(row[l * lb : (l + 1) * lb]) for l in range(len(self._u8))]  # noqa: E741
+
+    def load_pieces(self, i: int, block_id: int) -> list[memoryview]:
+        """Where the ``i``-th block of a chunk is read into: the cache block itself, or staging row ``i``."""
+        if self.direct:
+            return [memoryview(a[block_id]) for a in self._np]
+        return self._row_pieces(i)
+
+    @staticmethod
+    def copy_payload(payload: memoryview, pieces: Sequence[memoryview]) -> None:
+        """Copy a verified contiguous payload into ``pieces`` in order."""
+        src = np.frombuffer(payload, dtype=np.uint8)
+        offset = 0
+        for piece in pieces:
+            dst = np.frombuffer(piece, dtype=np.uint8)
+            np.copyto(dst, src[offset : offset + dst.size])
+            offset += dst.size
+
+    def commit_load(self, i: int, block_id: int) -> None:
+        """Make a loaded block visible in the cache (device caches: start the host-to-device copy)."""
+        if self.direct:
+            return
+        assert self._staging is not None
+        row, lb = self._staging[i], self.layer_bytes
+        for l, u in enumerate(self._u8):  # noqa: E741
+            u[block_id].copy_(row[l * lb : (l + 1) * lb], non_blocking=True)
+
+    def finish(self) -> None:
+        """Wait for pending device copies (before staging rows are reused)."""
+        device = self._u8[0].device
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
+
+    def save_pieces(self, block_ids: Sequence[int]) -> list[list[memoryview]]:
+        """The payload pieces of each block, valid until the next call."""
+        if self.direct:
+            return [[memoryview(a[b]) for a in self._np] for b in block_ids]
+        assert self._staging is not None
+        lb = self.layer_bytes
+        for i, b in enumerate(block_ids):
+            row = self._staging[i]
+            for l, u in enumerate(self._u8):  # noqa: E741
+                row[l * lb : (l + 1) * lb].copy_(u[b], non_blocking=True)
+        self.finish()
+        return [self._row_pieces(i) for i in range(len(block_ids))]
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

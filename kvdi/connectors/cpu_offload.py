@@ -1,0 +1,162 @@
+"""The ``cpu_offload`` backend: a host memory pool of fixed-size slots with LRU eviction.
+
+The pool is one buffer of ``max_bytes // frame_bytes`` slots (pinned with torch when CUDA is
+present, so device copies can be asynchronous), allocated on first write. Each slot holds one
+framed object, verified on load like an object of any other store. The container builds one
+pool per engine and hands it to both halves; a lock makes it safe to share across threads.
+
+Eviction drops the least recently used object. Within one batch (a chain of one request,
+saved or loaded together) the head is marked most recently used, so chains go tail first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvdi.connectors.framing import HEADER_SIZE
+from kvdi.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvdi.allocator import KVCacheSpec
+    from kvdi.settings import CpuOffloadSettings, KvdiSettings
+
+Buffer = bytes | bytearray | memoryview
+
+
+class HostPoolStore:
+    """A :class:`~kvdi.connectors.store.BlockStore` in host memory: ``num_slots`` slots of ``slot_bytes``."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool = False) -> None:
+        if num_slots < 1:
+            raise ValueError("a host pool needs at least one slot")
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self._pin = pin_memory
+        self._pool: np.ndarray | None = None
+        self._keep: object = None  # the torch tensor owning pinned memory, if any
+        self._lru: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, size)
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    def _slots(self) -> np.ndarray:
+        if self._pool is None:
+            if self._pin:
+                import torch
+
+                tensor = torch.empty((self.num_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=True)
+                self._keep, self._pool = tensor, tensor.numpy()
+            else:
+                self._pool = np.empty((self.num_slots, self.slot_bytes), dtype=np.uint8)
+        return self._pool
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            for n, key in enumerate(keys):
+                if key not in self._lru:
+                    return n
+            return len(keys)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """Copies of the objects (a slot may be reused as soon as the lock is released)."""
+        with self._lock:
+            pool = self._pool
+            out: list[Buffer | None] = []
+            for key in keys:
+                entry = self._lru.get(key)
+                out.append(None if entry is None or pool is None else pool[entry[0], : entry[1]].tobytes())
+            self._touch(keys)
+            return out
+
+    def get_into_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[int | None]:
+        """Copy each object straight from its slot into its pieces when sizes match (see ``ReadIntoStore``)."""
+        with self._lock:
+            pool = self._pool
+            out: list[int | None] = []
+            for key, pieces in items:
+                entry = self._lru.get(key)
+                if entry is None or pool is None:
+                    out.append(None)
+                    continue
+                slot, size = entry
+                if size == sum(p.nbytes for p in pieces):
+                    row, offset = pool[slot], 0
+                    for piece in pieces:
+                        dst = np.frombuffer(piece, dtype=np.uint8)
+                        np.copyto(dst, row[offset : offset + dst.size])
+                        offset += dst.size
+                out.append(size)
+            self._touch([k for k, _ in items])
+            return out
+
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> None:
+        """Copy each object into a slot, evicting LRU objects; objects larger than a slot are not kept."""
+        with self._lock:
+            pool = self._slots()
+            for key, pieces in items:
+                views = [np.frombuffer(p, dtype=np.uint8) for p in pieces]
+                size = sum(v.size for v in views)
+                if size > self.slot_bytes:
+                    continue
+                entry = self._lru.pop(key, None)
+                slot = entry[0] if entry is not None else self._take_slot()
+                row, offset = pool[slot], 0
+                for v in views:
+                    np.copyto(row[offset : offset + v.size], v)
+                    offset += v.size
+                self._lru[key] = (slot, size)
+            self._touch([k for k, _ in items])
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        _key, (slot, _size) = self._lru.popitem(last=False)
+        return slot
+
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        # Tail of the batch first, head last: the head ends most recently used.
+        for key in reversed(keys):
+            if key in self._lru:
+                self._lru.move_to_end(key)
+
+    def discard(self, key: bytes) -> None:
+        with self._lock:
+            entry = self._lru.pop(key, None)
+            if entry is not None:
+                self._free.append(entry[0])
+
+    def close(self) -> None:
+        """Drop the pool."""
+        with self._lock:
+            self._lru.clear()
+            self._free = list(range(self.num_slots - 1, -1, -1))
+            self._pool = None
+            self._keep = None
+
+
+def open_store(options: CpuOffloadSettings, layout: KVCacheSpec, settings: KvdiSettings) -> HostPoolStore:
+    """The backend factory named by the ``cpu_offload`` spec: ``max_bytes // frame`` slots."""
+    frame_bytes = HEADER_SIZE + layout.block_bytes
+    num_slots = options.max_bytes // frame_bytes
+    if num_slots < 1:
+        raise ConfigError(
+            f"KVDI_CPU_OFFLOAD__MAX_BYTES={options.max_bytes} holds no block: one framed block of this "
+            f"layout is {frame_bytes} B; raise it to at least {frame_bytes}"
+        )
+    return HostPoolStore(num_slots, frame_bytes, pin_memory=_cuda_available())
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+__all__ = ["HostPoolStore", "open_store"]

@@ -1,0 +1,104 @@
+"""cpu_offload: a host pool of fixed slots with LRU eviction, shared by both halves of one engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvdi_store_helpers import Engine, make_settings, request, small_layout
+
+from kvdi.connectors.base import KVConnectorRole
+from kvdi.connectors.cpu_offload import HostPoolStore, open_store
+from kvdi.connectors.framing import HEADER_SIZE
+from kvdi.connectors.keys import block_keys
+from kvdi.containers import build_kv_container
+from kvdi.errors import ConfigError
+from kvdi.settings import CpuOffloadSettings
+
+LAYOUT = small_layout(block_size=4)
+FRAME = HEADER_SIZE + LAYOUT.block_bytes
+PROMPT = request(range(18))
+KEYS = block_keys(PROMPT.prompt_token_ids, LAYOUT)
+
+
+def pool(slots: int) -> HostPoolStore:
+    return open_store(CpuOffloadSettings(max_bytes=slots * FRAME + FRAME - 1), LAYOUT, make_settings())
+
+
+def test_pool_has_max_bytes_over_frame_slots() -> None:
+    store = pool(5)
+    assert (store.num_slots, store.slot_bytes) == (5, FRAME)
+
+
+def test_max_bytes_below_one_frame_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="KVDI_CPU_OFFLOAD__MAX_BYTES"):
+        open_store(CpuOffloadSettings(max_bytes=FRAME - 1), LAYOUT, make_settings())
+
+
+def test_round_trip_restores_every_byte() -> None:
+    store = pool(8)
+    producer = Engine(store, LAYOUT, make_settings(), seed=5)
+    producer.prefill(PROMPT, (1, 2, 3, 4, 5))
+    consumer = Engine(store, LAYOUT, make_settings())
+    assert consumer.prefill(PROMPT, (9, 10, 11, 12, 13)) == (16, set())
+    assert torch.equal(torch.stack(producer.block(4)), torch.stack(consumer.block(12)))
+
+
+def test_full_pool_evicts_the_least_recently_used_chain_tail_first() -> None:
+    store = pool(6)
+    old, new = request(range(100, 118), "old"), request(range(200, 218), "new")
+    Engine(store, LAYOUT, make_settings(), seed=1).prefill(old, (1, 2, 3, 4, 5))
+    Engine(store, LAYOUT, make_settings(), seed=2).prefill(new, (1, 2, 3, 4, 5))
+    assert len(store) == 6
+    assert store.count_prefix(block_keys(new.prompt_token_ids, LAYOUT)) == 4
+    assert store.count_prefix(block_keys(old.prompt_token_ids, LAYOUT)) == 2
+
+
+def test_reading_a_chain_makes_it_recently_used() -> None:
+    store = pool(8)
+    a, b, c = (request(range(s, s + 18), str(s)) for s in (100, 200, 300))
+    for r in (a, b):
+        Engine(store, LAYOUT, make_settings(), seed=1).prefill(r, (1, 2, 3, 4, 5))
+    Engine(store, LAYOUT, make_settings()).prefill(a, (1, 2, 3, 4, 5))  # a is now fresher than b
+    Engine(store, LAYOUT, make_settings(), seed=3).prefill(c, (1, 2, 3, 4, 5))
+    assert store.count_prefix(block_keys(a.prompt_token_ids, LAYOUT)) == 4
+    assert store.count_prefix(block_keys(b.prompt_token_ids, LAYOUT)) == 0
+
+
+def test_corrupt_slot_is_dropped_and_counted() -> None:
+    store = pool(8)
+    Engine(store, LAYOUT, make_settings(), seed=1).prefill(PROMPT, (1, 2, 3, 4, 5))
+    obj = store.get_many([KEYS[1]])[0]
+    assert obj is not None
+    bad = bytearray(obj)
+    bad[HEADER_SIZE + 3] ^= 1
+    store.put_many([(KEYS[1], [bad])])
+    engine = Engine(store, LAYOUT, make_settings())
+    assert engine.prefill(PROMPT, (1, 2, 3, 4, 5)) == (16, {2, 3, 4})
+    assert engine.worker.stats.corrupt_dropped == 1
+    assert store.count_prefix(KEYS) == 1
+
+
+def test_objects_larger_than_a_slot_are_not_kept() -> None:
+    store = pool(2)
+    store.put_many([(b"k" * 16, [bytes(FRAME + 1)])])
+    assert store.count_prefix([b"k" * 16]) == 0
+
+
+def test_both_halves_of_one_container_share_one_pool() -> None:
+    container = build_kv_container(
+        kv_connector="cpu_offload", cpu_offload={"max_bytes": 1 << 22}, model={"num_layers": 2}, engine_id="e"
+    )
+    try:
+        scheduler, worker = container.scheduler_connector(), container.worker_connector()
+        assert isinstance(scheduler.context.backend, HostPoolStore)
+        assert scheduler.context.backend is worker.context.backend
+        assert worker.context.role is KVConnectorRole.WORKER
+    finally:
+        container.shutdown_resources()
+
+
+def test_close_empties_the_pool() -> None:
+    store = pool(4)
+    Engine(store, LAYOUT, make_settings(), seed=1).prefill(PROMPT, (1, 2, 3, 4, 5))
+    store.close()
+    assert store.count_prefix(KEYS) == 0
