@@ -162,6 +162,9 @@ class P2pSettings(_Section):
     kv_parallel_size: int = Field(2, gt=1)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: float = Field(30.0, gt=0)
+    connect_timeout_s: float = Field(60.0, gt=0)
+    hold_s: float = Field(60.0, gt=0)
+    max_held_bytes: int = Field(1 << 30, gt=0)
 
 
 # vLLM KVTransferConfig keys accepted in KVDI_KV_TRANSFER_CONFIG, and where each lands.

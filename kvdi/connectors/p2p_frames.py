@@ -1,0 +1,128 @@
+"""Moving framed blocks between the paged KV cache and the wire layout of the p2p connector.
+
+A layer's cache is ``[num_blocks, 2, block_size, kv_heads, head_dim]``, so one block of one
+layer is contiguous. The wire layout (:class:`~kvdi.connectors.p2p_held.Frames`) sends
+layer ``l`` of all blocks of a fetch as one message: when the consumer's target blocks are
+consecutive, that message lands straight in ``cache_l[first:first + count]`` (no copy);
+otherwise in a reusable staging buffer, then one ``index_copy_`` per layer. Each block is
+checked against its frame header (layout fingerprint, length, xxh3 of all its layers),
+hashed layer by layer as the layers arrive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from kvdi.connectors.framing import HEADER_SIZE, CorruptObjectError, check_header, frame_header
+from kvdi.connectors.p2p_held import Frames
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvdi.allocator import KVCacheSpec
+
+
+def gather_frames(caches: Sequence[torch.Tensor], block_ids: Sequence[int], layout: KVCacheSpec) -> Frames:
+    """Copy blocks out of the paged caches into host frames (one copy per layer, then the headers)."""
+    import torch
+
+    n, lb = len(block_ids), layout.layer_block_bytes
+    layers = torch.empty((len(caches), n * lb), dtype=torch.uint8)
+    ids = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
+    for layer, cache in enumerate(caches):
+        dst = layers[layer].view(cache.dtype).view(n, *cache.shape[1:])
+        if cache.device.type == "cpu":
+            torch.index_select(cache, 0, ids, out=dst)
+        else:
+            dst.copy_(cache.index_select(0, ids))
+    headers = np.empty(n * HEADER_SIZE, dtype=np.uint8)
+    raw = layers.numpy()
+    fingerprint = layout.fingerprint()
+    for i in range(n):
+        header = frame_header(fingerprint, [raw[layer, i * lb : (i + 1) * lb].data for layer in range(len(caches))])
+        headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] = np.frombuffer(header, dtype=np.uint8)
+    return Frames(layers, torch.from_numpy(headers))
+
+
+class CacheReceiver:
+    """The consumer's side: receive buffers over the paged cache, scatter and verification."""
+
+    def __init__(self, caches: Sequence[torch.Tensor], layout: KVCacheSpec, wire_device: torch.device) -> None:
+        import torch
+
+        self.layout = layout
+        self.caches = list(caches)
+        self.layer_bytes = layout.layer_block_bytes
+        self.wire_device = wire_device
+        for cache in self.caches:
+            if not cache.is_contiguous():
+                raise ValueError("p2p needs contiguous KV cache tensors")
+        self._u8 = [c.view(torch.uint8).view(c.shape[0], self.layer_bytes) for c in self.caches]
+        self.direct_ok = all(c.device == wire_device for c in self.caches)
+        self._staging: list[torch.Tensor] = []
+
+    def buffers(self, targets: Sequence[int]) -> tuple[list[torch.Tensor], bool]:
+        """Where each layer's message for blocks ``targets`` is received, and whether that is the cache itself."""
+        import torch
+
+        k = len(targets)
+        first = targets[0]
+        if self.direct_ok and list(targets) == list(range(first, first + k)):
+            return [u8[first : first + k].view(-1) for u8 in self._u8], True
+        need = k * self.layer_bytes
+        if not self._staging or self._staging[0].numel() < need:
+            self._staging = [torch.empty(need, dtype=torch.uint8, device=self.wire_device) for _ in self.caches]
+        return [s[:need] for s in self._staging], False
+
+    def receiving(self, buffers: Sequence[torch.Tensor], targets: Sequence[int], direct: bool) -> LayerSink:
+        """What to do with each layer as it arrives: hash it per block, and copy it into the cache if staged."""
+        return LayerSink(self, buffers, targets, direct)
+
+
+class LayerSink:
+    """Per-layer work of one fetch, done while later layers are still on the wire."""
+
+    def __init__(
+        self, receiver: CacheReceiver, buffers: Sequence[torch.Tensor], targets: Sequence[int], direct: bool
+    ) -> None:
+        import torch
+
+        self.receiver = receiver
+        self.buffers = buffers
+        self.direct = direct
+        self._ids = torch.tensor(targets, dtype=torch.long, device=receiver.caches[0].device)
+        self._hashers = [xxhash.xxh3_64() for _ in targets]
+
+    def __call__(self, layer: int, first: int, stop: int) -> None:
+        """Blocks ``[first, stop)`` of ``layer`` arrived: update their checksums, place them if staged."""
+        lb = self.receiver.layer_bytes
+        part = self.buffers[layer][first * lb : stop * lb]
+        host = (part if part.device.type == "cpu" else part.cpu()).numpy()
+        for i in range(stop - first):
+            self._hashers[first + i].update(host[i * lb : (i + 1) * lb].data)
+        if not self.direct:
+            cache = self.receiver.caches[layer]
+            src = part.to(cache.device, non_blocking=True).view(cache.dtype).view(stop - first, *cache.shape[1:])
+            cache.index_copy_(0, self._ids[first:stop], src)
+
+    def verdicts(self, headers: torch.Tensor) -> list[CorruptObjectError | None]:
+        """After every layer arrived: each block checked against its frame header; None where intact."""
+        head = headers.numpy()
+        fingerprint, size = self.receiver.layout.fingerprint(), self.receiver.layout.block_bytes
+        out: list[CorruptObjectError | None] = []
+        for i, hasher in enumerate(self._hashers):
+            try:
+                digest = check_header(head[i * HEADER_SIZE : (i + 1) * HEADER_SIZE].data, fingerprint, size)
+                if hasher.intdigest() != digest:
+                    raise CorruptObjectError("checksum", "payload does not match its xxh3_64 checksum")
+                out.append(None)
+            except CorruptObjectError as exc:
+                out.append(exc)
+        return out
+
+
+__all__ = ["CacheReceiver", "LayerSink", "gather_frames"]
