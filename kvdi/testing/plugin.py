@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -77,6 +77,6 @@ def kvdi_override() -> Iterator[Callable[..., None]]:
             if allocator is not None:
                 if not hasattr(container, "alloc"):
                     raise TypeError("allocator overrides need an EngineContainer")
-                stack.enter_context(override_allocator(container, allocator))
+                stack.enter_context(override_allocator(cast(EngineContainer, container), allocator))
 
         yield apply
