@@ -56,6 +56,7 @@ class DemoReport:
     baseline_computed_tokens: int
     bytes_saved: int
     bytes_loaded: int
+    consumer_counters: dict[str, int | float]
     ttft_recompute_s: float
     ttft_cached_s: float
     ttft_speedup: float
@@ -161,6 +162,7 @@ def _report(
         baseline_computed_tokens=sum(o.num_computed_prompt_tokens for o in baseline),
         bytes_saved=produced_stats.total.saved_bytes,
         bytes_loaded=consumed_stats.total.loaded_bytes,
+        consumer_counters=consumed_stats.total.as_dict(),
         ttft_recompute_s=recompute,
         ttft_cached_s=cached,
         ttft_speedup=recompute / cached if cached > 0 else 0.0,
@@ -187,6 +189,14 @@ def print_report(report: DemoReport) -> None:
         ("tokens computed (recompute)", f"{report.baseline_computed_tokens}"),
         ("bytes saved (producer)", f"{report.bytes_saved:,}"),
         ("bytes loaded (consumer)", f"{report.bytes_loaded:,}"),
+        (
+            "consumer lookups / hit blocks",
+            f"{report.consumer_counters['lookups']} / {report.consumer_counters['lookup_hit_blocks']}",
+        ),
+        (
+            "corrupt dropped / load failures",
+            f"{report.consumer_counters['corrupt_dropped']} / {report.consumer_counters['load_failures']}",
+        ),
         ("time to first token, recompute", f"{report.ttft_recompute_s * 1e3:.1f} ms"),
         ("time to first token, with cache", f"{report.ttft_cached_s * 1e3:.1f} ms"),
         ("speedup", f"{report.ttft_speedup:.2f}x"),

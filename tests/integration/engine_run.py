@@ -1,0 +1,77 @@
+"""Run one offline vLLM engine over token-id prompts and write the greedy tokens as JSON.
+
+Usage: ``python tests/integration/engine_run.py SPEC.json`` where SPEC holds ``model`` (a
+directory), ``prompts`` (lists of token ids), ``rounds``, ``max_tokens``, ``block_size``,
+``max_model_len``, ``out`` (where the result goes), optionally ``kv`` (KVTransferConfig
+keyword arguments), ``executor`` (``distributed_executor_backend``, e.g. ``"uni"``) and
+``log_stats`` (vLLM's periodic stats log, where connector stats show up).
+The result: ``{"init_seconds": s, "rounds": [{"seconds": s, "tokens": [[...], ...]}, ...]}``.
+
+It is a script, not a test: vLLM spawns processes, so everything runs under the
+``__main__`` guard, one engine per interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build the engine described by ``spec``, run its rounds, return tokens and timings."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = {
+        "model": spec["model"],
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "gpu_memory_utilization": 0.3,
+        "max_model_len": spec.get("max_model_len", 512),
+        "block_size": spec.get("block_size", 32),
+        "dtype": spec.get("dtype", "float32"),
+        "seed": 0,
+    }
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    if spec.get("executor"):
+        kwargs["distributed_executor_backend"] = spec["executor"]
+    if spec.get("log_stats"):
+        kwargs["disable_log_stats"] = False
+    if spec.get("kv"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv"])
+    start = time.perf_counter()
+    llm = LLM(**kwargs)
+    result: dict[str, Any] = {"init_seconds": time.perf_counter() - start, "rounds": []}
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+    for _ in range(spec.get("rounds", 1)):
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        result["rounds"].append({"seconds": seconds, "tokens": tokens})
+    # Give the engine a chance to shut connectors down cleanly (final stats files).
+    del llm
+    return result
+
+
+def main(argv: list[str]) -> int:
+    with open(argv[1], encoding="utf-8") as fh:
+        spec = json.load(fh)
+    result = run(spec)
+    tmp = spec["out"] + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(result, fh)
+    os.replace(tmp, spec["out"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
