@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvdi.bench import BenchResult
-from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, WorkerConnector
+from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, WorkerConnector, run_transfer_step
 from kvdi.connectors.keys import block_keys
 from kvdi.containers import build_kv_container
 from kvdi.testing.redis_server import RedisServer
@@ -29,22 +29,16 @@ BLOCK_SIZE = 16
 MODEL = {"num_layers": 8, "num_kv_heads": 8, "head_dim": 128, "num_heads": 8, "hidden_size": 1024}
 
 
+def _step(worker: WorkerConnector, meta: BlockTransferMetadata) -> None:
+    failed = run_transfer_step(worker, meta)
+    if failed:
+        raise RuntimeError(f"bench: {len(failed)} blocks failed to load from redis")
+
+
 def _seconds(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def _step(worker: WorkerConnector, meta: BlockTransferMetadata) -> None:
-    worker.bind_connector_metadata(meta)
-    try:
-        worker.start_load_kv()
-        failed = worker.get_block_ids_with_load_errors()
-        worker.wait_for_save()
-    finally:
-        worker.clear_connector_metadata()
-    if failed:
-        raise RuntimeError(f"bench: {len(failed)} blocks failed to load from redis")
 
 
 def _worker(container: Any) -> WorkerConnector:

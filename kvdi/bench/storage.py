@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvdi.bench import BenchResult
-from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, WorkerConnector
+from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, WorkerConnector, run_transfer_step
 from kvdi.connectors.framing import HEADER_SIZE
 from kvdi.connectors.keys import block_keys
 from kvdi.containers import build_kv_container
@@ -48,6 +48,12 @@ NOTE = "warm page cache on both sides (no page-cache drop without root); best of
 
 
 Timed = Callable[[], None] | tuple[Callable[[], None], Callable[[], None]]
+
+
+def _step(worker: WorkerConnector, meta: BlockTransferMetadata) -> None:
+    failed = run_transfer_step(worker, meta)
+    if failed:
+        raise RuntimeError(f"bench: {len(failed)} blocks failed to load")
 
 
 def _best_seconds(fns: list[Timed], repeats: int) -> list[float]:
@@ -96,18 +102,6 @@ def _remove_objects(root: Path) -> None:
     for sub in root.iterdir():
         for obj in sub.iterdir():
             obj.unlink()
-
-
-def _step(worker: WorkerConnector, meta: BlockTransferMetadata) -> None:
-    worker.bind_connector_metadata(meta)
-    try:
-        worker.start_load_kv()
-        failed = worker.get_block_ids_with_load_errors()
-        worker.wait_for_save()
-    finally:
-        worker.clear_connector_metadata()
-    if failed:
-        raise RuntimeError(f"bench: {len(failed)} blocks failed to load")
 
 
 class _Setup:

@@ -269,6 +269,21 @@ class WorkerConnector(_Half):
         self._load_errors.update(block_ids)
 
 
+def run_transfer_step(worker: WorkerConnector, metadata: KVConnectorMetadata) -> set[int]:
+    """Drive one worker step with no model (benchmarks, tools): bind, load, save, clear.
+
+    Returns the block ids whose load failed; the metadata is cleared even if a call raises.
+    """
+    worker.bind_connector_metadata(metadata)
+    try:
+        worker.start_load_kv()
+        failed = worker.get_block_ids_with_load_errors()
+        worker.wait_for_save()
+    finally:
+        worker.clear_connector_metadata()
+    return failed
+
+
 def require_role(connector: object, role: KVConnectorRole, component: str) -> None:
     """Raise ConnectorTypeError (a TypeError) unless ``connector`` is the ``role`` half; call it in ``__init__``."""
     base = SchedulerConnector if role is KVConnectorRole.SCHEDULER else WorkerConnector

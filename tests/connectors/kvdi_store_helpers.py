@@ -16,6 +16,7 @@ from kvdi.connectors.base import (
     KVRequest,
     ScheduledRequest,
     SchedulerOutput,
+    run_transfer_step,
 )
 from kvdi.connectors.store import BlockStore, StoreSchedulerConnector, StoreWorkerConnector
 from kvdi.settings import KvdiSettings
@@ -72,11 +73,7 @@ class Engine:
         sched = ScheduledRequest(request, block_ids, n, len(request.prompt_token_ids) - n)
         self.steps += 1
         meta = self.scheduler.build_connector_meta(SchedulerOutput(self.steps, (sched,)))
-        self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv()
-        errors = self.worker.get_block_ids_with_load_errors()
-        self.worker.wait_for_save()
-        self.worker.clear_connector_metadata()
+        errors = run_transfer_step(self.worker, meta)
         self.scheduler.request_finished(request, block_ids)
         return n, errors
 

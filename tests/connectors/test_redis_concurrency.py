@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("redis")
 torch = pytest.importorskip("torch")
 
-from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, WorkerConnector  # noqa: E402
+from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, run_transfer_step  # noqa: E402
 from kvdi.connectors.keys import block_keys  # noqa: E402
 from kvdi.testing.redis_server import RedisServer  # noqa: E402
 
@@ -40,17 +40,6 @@ def version(writer: int, key: bytes, shape: tuple[int, ...], layer: int) -> Any:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def transfer(worker: WorkerConnector, meta: BlockTransferMetadata) -> set[int]:
-    worker.bind_connector_metadata(meta)
-    try:
-        worker.start_load_kv()
-        failed = worker.get_block_ids_with_load_errors()
-        worker.wait_for_save()
-    finally:
-        worker.clear_connector_metadata()
-    return failed
-
-
 def run_client(url: str, writer: int, barrier: Any, results: Any) -> None:
     """One process: each round, load whatever prefix is stored and check it, then save its own version."""
     from kvdi.containers import build_kv_container
@@ -68,7 +57,7 @@ def run_client(url: str, writer: int, barrier: Any, results: Any) -> None:
             present = store.count_prefix(keys)
             load_ids = tuple(range(BLOCKS_PER_PROMPT, BLOCKS_PER_PROMPT + present))
             if present:
-                failed = transfer(
+                failed = run_transfer_step(
                     worker, BlockTransferMetadata(loads=(BlockTransfer("l", load_ids, tuple(keys[:present])),))
                 )
                 report["failed_loads"] += len(failed)
@@ -89,7 +78,7 @@ def run_client(url: str, writer: int, barrier: Any, results: Any) -> None:
                 for i, n in enumerate(layout.layer_names):
                     caches[n][slot] = version(writer, key, layout.block_shape, i)
             save_ids = tuple(range(len(keys)))
-            transfer(worker, BlockTransferMetadata(saves=(BlockTransfer("s", save_ids, tuple(keys)),)))
+            run_transfer_step(worker, BlockTransferMetadata(saves=(BlockTransfer("s", save_ids, tuple(keys)),)))
     stats = worker.stats
     report.update(corrupt=stats.corrupt_dropped, saved=stats.saved_blocks, save_failures=stats.save_failures)
     container.shutdown_resources()

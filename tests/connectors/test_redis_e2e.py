@@ -18,7 +18,7 @@ from kvdi.connectors.base import (  # noqa: E402
     KVConnectorMetadata,
     KVRequest,
     SchedulerOutput,
-    WorkerConnector,
+    run_transfer_step,
 )
 from kvdi.connectors.keys import block_keys  # noqa: E402
 from kvdi.connectors.redis import BreakerState, RedisBlockStore  # noqa: E402
@@ -79,18 +79,6 @@ def random_caches(layout: KVCacheSpec, seed: int | None) -> dict[str, torch.Tens
     return {name: make() if make else torch.zeros(NUM_BLOCKS, *layout.block_shape) for name in layout.layer_names}
 
 
-def run_transfer(worker: WorkerConnector, meta: BlockTransferMetadata) -> set[int]:
-    """One worker step with only connector work: returns the block ids whose load failed."""
-    worker.bind_connector_metadata(meta)
-    try:
-        worker.start_load_kv()
-        failed = worker.get_block_ids_with_load_errors()
-        worker.wait_for_save()
-    finally:
-        worker.clear_connector_metadata()
-    return failed
-
-
 def saved_prompt(make: Callable[..., KVTransferContainer]) -> tuple[dict[str, torch.Tensor], list[bytes]]:
     """Save the full blocks of PROMPT (cache blocks 0..5) through a producer's worker half."""
     container = make(kv_role="kv_producer")
@@ -99,7 +87,7 @@ def saved_prompt(make: Callable[..., KVTransferContainer]) -> tuple[dict[str, to
     source = random_caches(layout, seed=1)
     worker.register_kv_caches(source)
     keys = block_keys(PROMPT, layout)
-    run_transfer(worker, BlockTransferMetadata(saves=(BlockTransfer("p", tuple(range(len(keys))), tuple(keys)),)))
+    run_transfer_step(worker, BlockTransferMetadata(saves=(BlockTransfer("p", tuple(range(len(keys))), tuple(keys)),)))
     assert worker.stats.saved_blocks == len(keys)
     return source, keys
 
@@ -117,7 +105,7 @@ def test_blocks_saved_by_one_container_load_bytewise_in_another(
     dest = random_caches(consumer.layout(), seed=None)
     worker.register_kv_caches(dest)
     targets = tuple(range(10, 10 + len(keys)))
-    failed = run_transfer(worker, BlockTransferMetadata(loads=(BlockTransfer("c", targets, tuple(keys)),)))
+    failed = run_transfer_step(worker, BlockTransferMetadata(loads=(BlockTransfer("c", targets, tuple(keys)),)))
     assert failed == set()
     for name in source:
         assert dest[name][10 : 10 + len(keys)].numpy().tobytes() == source[name][: len(keys)].numpy().tobytes()
@@ -141,7 +129,7 @@ def test_corrupt_object_is_a_counted_miss_and_deleted(
     consumer = kv_containers(kv_role="kv_consumer")
     worker = consumer.worker_connector()
     worker.register_kv_caches(random_caches(consumer.layout(), seed=None))
-    failed = run_transfer(worker, BlockTransferMetadata(loads=(BlockTransfer("c", (0, 1), tuple(keys[:2])),)))
+    failed = run_transfer_step(worker, BlockTransferMetadata(loads=(BlockTransfer("c", (0, 1), tuple(keys[:2])),)))
     assert (failed, worker.stats.corrupt_dropped, raw.exists(name)) == ({0, 1}, 1, 0)
     raw.close()
 
