@@ -86,7 +86,7 @@ def run(quick: bool) -> list[BenchResult]:
             # The baseline: the same payload bytes, already one contiguous buffer per block.
             payloads = [b"".join(source[n][b].numpy().tobytes() for n in layout.layer_names) for b in range(num_blocks)]
             raw_keys = [b"bench-raw:" + k.hex().encode() for k in keys]
-            client: redis.Redis[bytes] = redis.Redis.from_url(server.url, socket_timeout=30.0)
+            client: redis.Redis = redis.Redis.from_url(server.url, socket_timeout=30.0)
 
             def raw_save() -> None:
                 pipe = client.pipeline(transaction=False)

@@ -137,7 +137,7 @@ class RedisBlockStore:
         self._prefix = options.key_prefix.encode()
         self.breaker = CircuitBreaker(options.breaker_failures, options.breaker_reset_s)
         try:
-            self._client: redis.Redis[bytes] = redis.Redis.from_url(
+            self._client: redis.Redis = redis.Redis.from_url(
                 raw_url,
                 socket_connect_timeout=options.connect_timeout_s,
                 socket_timeout=options.op_timeout_s,
