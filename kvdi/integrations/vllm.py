@@ -40,18 +40,15 @@ the same process, which it does with ``distributed_executor_backend="uni"`` (on 
 backends (a directory, a Redis server) need nothing more, and for ``cpu_offload``, whose
 pool lives in the worker's memory, the scheduler half looks blocks up in a
 :class:`BlockIndex` the worker keeps current through vLLM's worker-to-scheduler metadata.
+
+The pieces that need no vLLM live in :mod:`kvdi.integrations._vllm_config` (settings, layout
+checks, shared containers, stats files) and :mod:`kvdi.integrations._vllm_blocks` (requests,
+block tracking, KV tensor layouts); they are re-exported here.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import threading
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -75,68 +72,36 @@ except ImportError as exc:  # only vLLM loads this module; say what to install i
 
 from kvdi.allocator import KVCacheSpec
 from kvdi.connectors.base import (
-    BlockTransfer,
     BlockTransferMetadata,
-    ConnectorStats,
     KVConnectorMetadata,
-    KVRequest,
-    ScheduledRequest,
     SchedulerConnector,
-    SchedulerOutput,
     WorkerConnector,
 )
 from kvdi.connectors.framing import HEADER_SIZE
-from kvdi.containers import KVTransferContainer, build_kv_container
 from kvdi.errors import ConfigError, KVLoadError
+from kvdi.integrations._vllm_blocks import BlockIndex as BlockIndex
+from kvdi.integrations._vllm_blocks import LayoutBridge as LayoutBridge
+from kvdi.integrations._vllm_blocks import RequestTracker as RequestTracker
+from kvdi.integrations._vllm_blocks import kv_request as kv_request
+from kvdi.integrations._vllm_blocks import kvdi_layer_view as kvdi_layer_view
+from kvdi.integrations._vllm_blocks import ordered_layers as ordered_layers
+from kvdi.integrations._vllm_config import _SHARED, kv_cache_spec
+from kvdi.integrations._vllm_config import EXTRA_PREFIX as EXTRA_PREFIX
+from kvdi.integrations._vllm_config import PROCESS_LOCAL_CONNECTORS as PROCESS_LOCAL_CONNECTORS
+from kvdi.integrations._vllm_config import STATS_DIR_KEY as STATS_DIR_KEY
+from kvdi.integrations._vllm_config import kvdi_settings_kwargs as kvdi_settings_kwargs
+from kvdi.integrations._vllm_config import needs_block_index as needs_block_index
+from kvdi.integrations._vllm_config import settings_overrides as settings_overrides
+from kvdi.integrations._vllm_config import stats_delta as stats_delta
+from kvdi.integrations._vllm_config import write_stats_file as write_stats_file
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures only its own logger tree
 
-EXTRA_PREFIX = "kvdi."
-STATS_DIR_KEY = "kvdi_stats_dir"
-_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
-
-# --------------------------------------------------------------------------- config
-
-
-def settings_overrides(extra_config: Mapping[str, Any]) -> dict[str, Any]:
-    """Nested kvdi overrides from vLLM's extra config: ``{"kvdi.redis.url": u}`` -> ``{"redis": {"url": u}}``.
-
-    A ``"kvdi"`` key holding a mapping is merged the same way; other keys belong to vLLM
-    or other connectors and are ignored.
-    """
-    out: dict[str, Any] = {}
-    items: list[tuple[str, Any]] = []
-    nested = extra_config.get("kvdi")
-    if isinstance(nested, Mapping):
-        items.extend(_flatten_mapping(nested))
-    items.extend((k[len(EXTRA_PREFIX) :], v) for k, v in extra_config.items() if k.startswith(EXTRA_PREFIX))
-    for dotted, value in items:
-        parts = [p for p in dotted.split(".") if p]
-        if not parts:
-            raise ConfigError(f"kv_connector_extra_config key {EXTRA_PREFIX + dotted!r} names no kvdi setting")
-        node = out
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"kv_connector_extra_config sets kvdi.{part} both as a value and as a section")
-            node = child
-        node[parts[-1]] = value
-    return out
-
-
-def _flatten_mapping(data: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    flat: list[tuple[str, Any]] = []
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and key != "kv_connector_extra_config":
-            flat.extend(_flatten_mapping(value, path + "."))
-        else:
-            flat.append((path, value))
-    return flat
+# --------------------------------------------------------------------------- layout
 
 
 def layout_from_vllm(vllm_config: VllmConfig) -> KVCacheSpec:
@@ -145,28 +110,7 @@ def layout_from_vllm(vllm_config: VllmConfig) -> KVCacheSpec:
     Raises ConfigError for what kvdi's stored format cannot describe (quantized KV cache
     dtypes, tensor or pipeline parallelism).
     """
-    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ConfigError(
-            "KvdiConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only "
-            f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size}): "
-            "a stored block holds every layer and head"
-        )
-    if cache.cache_dtype not in ("auto", None):
-        raise ConfigError(
-            f"KvdiConnector needs kv_cache_dtype='auto', got {cache.cache_dtype!r}; set --kv-cache-dtype auto"
-        )
-    dtype = _DTYPES.get(model.dtype) if isinstance(model.dtype, torch.dtype) else None
-    if dtype is None:
-        raise ConfigError(f"KvdiConnector stores float32, float16 or bfloat16 KV; the model runs in {model.dtype}")
-    return KVCacheSpec(
-        model_id=f"{model.model}{block_format_tag(vllm_config)}",
-        num_layers=int(model.get_num_layers(parallel)),
-        num_kv_heads=int(model.get_num_kv_heads(parallel)),
-        head_dim=int(model.get_head_size()),
-        block_size=int(cache.block_size),
-        dtype=dtype,
-    )
+    return kv_cache_spec(vllm_config, block_format_tag)
 
 
 def block_format_tag(vllm_config: VllmConfig) -> str:
@@ -192,62 +136,7 @@ def block_format_tag(vllm_config: VllmConfig) -> str:
     return f"@vllm-cpu-{isa}"
 
 
-PROCESS_LOCAL_CONNECTORS = frozenset({"cpu_offload"})
-
-
-def needs_block_index(connector: str, vllm_config: VllmConfig) -> bool:
-    """True when ``connector`` keeps blocks in the worker's memory and vLLM runs the scheduler in another process.
-
-    The scheduler half then looks blocks up in a :class:`BlockIndex` that the worker keeps
-    current through vLLM's worker-to-scheduler metadata. With
-    ``distributed_executor_backend="uni"`` both halves share the real store instead.
-    """
-    backend = vllm_config.parallel_config.distributed_executor_backend
-    return connector in PROCESS_LOCAL_CONNECTORS and backend not in ("uni", "external_launcher")
-
-
-class BlockIndex:
-    """The scheduler process's view of a worker-local store: a :class:`~kvdi.connectors.store.BlockStore` of keys only.
-
-    Holds the keys the worker reported stored, least recently used first, at most
-    ``capacity`` (the worker's pool size), and forgets keys the worker reported gone. When
-    it is wrong (the pool evicted differently) the load fails, is reported, and vLLM
-    recomputes: a lost hit, never wrong output.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = max(1, capacity)
-        self._keys: OrderedDict[bytes, None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def add(self, keys: Sequence[bytes]) -> None:
-        for key in reversed(keys):  # the head of a chain ends most recently used, as in the pool
-            self._keys[key] = None
-            self._keys.move_to_end(key)
-        while len(self._keys) > self.capacity:
-            self._keys.popitem(last=False)
-
-    def count_prefix(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        while n < len(keys) and keys[n] in self._keys:
-            n += 1
-        for key in reversed(keys[:n]):
-            self._keys.move_to_end(key)
-        return n
-
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return [None] * len(keys)  # the scheduler half never reads payloads
-
-    def put_many(self, items: Sequence[tuple[bytes, Sequence[Any]]]) -> None:
-        self.add([key for key, _ in items])
-
-    def discard(self, key: bytes) -> None:
-        self._keys.pop(key, None)
-
-    def close(self) -> None:
-        self._keys.clear()
+# --------------------------------------------------------------------------- vLLM envelopes and stats
 
 
 @dataclass
@@ -263,231 +152,11 @@ class KvdiWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc,unused
         return KvdiWorkerMetadata(self.stored + other.stored, self.dropped + other.dropped)
 
 
-def kvdi_settings_kwargs(vllm_config: VllmConfig) -> dict[str, Any]:
-    """Init kwargs for :func:`kvdi.settings.load_settings`: extra-config overrides plus vLLM's role and engine id.
-
-    vLLM's ``kv_role`` and ``engine_id`` win over the same keys in extra config. kvdi's
-    ``kv_load_failure_policy`` is always ``recompute`` (report, never raise): vLLM's own
-    policy then recomputes or fails the request.
-    """
-    transfer = vllm_config.kv_transfer_config
-    if transfer is None:
-        raise ConfigError("KvdiConnector needs vLLM's kv_transfer_config (--kv-transfer-config)")
-    kwargs = settings_overrides(transfer.kv_connector_extra_config or {})
-    kwargs["kv_role"] = transfer.kv_role or "kv_both"
-    kwargs["engine_id"] = str(transfer.engine_id)
-    kwargs["kv_load_failure_policy"] = "recompute"
-    return kwargs
-
-
-# --------------------------------------------------------------------------- layout
-
-
-def kvdi_layer_view(cache: torch.Tensor, layout: KVCacheSpec, num_blocks: int | None = None) -> torch.Tensor:
-    """One layer of vLLM's paged cache as kvdi's worker half addresses it: ``view[block_id]`` is that block.
-
-    - vLLM's CPU backend ``[blocks, heads, block_size, 2 * head_dim]``: returned as is. Each
-      block is contiguous and exactly ``layout.layer_block_bytes``, stored verbatim in the
-      attention ISA's packing (see :func:`block_format_tag`).
-    - ``[blocks, 2, block_size, heads, head_dim]`` (kvdi's order, FlashInfer NHD): as is.
-    - ``[2, blocks, block_size, heads, head_dim]`` (FlashAttention NHD): a permuted, non-contiguous
-      view in kvdi's order; :class:`LayoutBridge` copies such blocks through a scratch cache.
-
-    Raises ConfigError naming the shape for anything else.
-    """
-    bs, heads, dim = layout.block_size, layout.num_kv_heads, layout.head_dim
-    shape = tuple(cache.shape)
-    if cache.dim() == 4 and shape[1:] == (heads, bs, 2 * dim) and cache.is_contiguous():
-        return cache
-    if cache.dim() == 5 and shape[2:] == (bs, heads, dim):
-        if shape[1] == 2 and (num_blocks is None or shape[0] == num_blocks):
-            return cache
-        if shape[0] == 2:
-            return cache.permute(1, 0, 2, 3, 4)
-    raise ConfigError(
-        f"KvdiConnector does not understand a paged KV tensor of shape {shape} (strides {tuple(cache.stride())}) "
-        f"for block_size={bs}, kv_heads={heads}, head_dim={dim}; supported: vLLM's CPU backend and NHD layouts"
-    )
-
-
-def ordered_layers(names: Sequence[str]) -> list[str]:
-    """vLLM's attention layer names in forward order (by the layer numbers in the names)."""
-
-    def numbers(name: str) -> tuple[int, ...]:
-        return tuple(int(n) for n in re.findall(r"(?<![A-Za-z_])\d+", name))
-
-    return sorted(names, key=lambda n: (numbers(n), n))
-
-
-# --------------------------------------------------------------------------- translation
-
-
-def kv_request(request: Any) -> KVRequest:
-    """kvdi's view of a vLLM ``Request``: id, prompt tokens, and a salt covering cache salt, LoRA and images.
-
-    Requests with prompt embeddings instead of token ids get no tokens (never cached).
-    """
-    parts: list[str] = []
-    salt = getattr(request, "cache_salt", None)
-    if salt is not None:
-        parts.append(f"salt={salt}")
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append(f"lora={getattr(lora, 'lora_name', lora)}")
-    for feature in getattr(request, "mm_features", None) or ():
-        parts.append(f"mm={getattr(feature, 'identifier', feature)}")
-    tokens = getattr(request, "prompt_token_ids", None) or ()
-    return KVRequest(str(request.request_id), tuple(int(t) for t in tokens), "\x1f".join(parts) if parts else None)
-
-
 @dataclass
 class KvdiConnectorMetadata(VllmConnectorMetadata):  # type: ignore[misc,unused-ignore]
     """vLLM's metadata envelope around kvdi's per-step metadata (pickled to the workers)."""
 
     inner: KVConnectorMetadata | None = None
-
-
-class RequestTracker:
-    """What the scheduler half remembers per running request to rebuild kvdi's full :class:`ScheduledRequest`."""
-
-    def __init__(self) -> None:
-        self.requests: dict[str, KVRequest] = {}
-        self.blocks: dict[str, list[int]] = {}
-        self.step = 0
-
-    def remember(self, request: KVRequest) -> None:
-        self.requests[request.request_id] = request
-
-    def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-        self.blocks.pop(request_id, None)
-
-    def translate(self, output: Any) -> SchedulerOutput:
-        """kvdi's SchedulerOutput of one vLLM step; updates block lists (new requests, growth, resumption)."""
-        scheduled: list[ScheduledRequest] = []
-        for new in output.scheduled_new_reqs:
-            req_id = str(new.req_id)
-            request = self.requests.get(req_id)
-            if request is None:
-                request = KVRequest(req_id, tuple(new.prompt_token_ids or ()))
-                self.requests[req_id] = request
-            self.blocks[req_id] = list(new.block_ids[0]) if new.block_ids else []
-            scheduled.append(self._scheduled(request, new.num_computed_tokens, output))
-        cached = output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            request = self.requests.get(req_id)
-            if request is None:
-                continue
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                self.blocks[req_id] = list(new_blocks[0]) if new_blocks else []
-            elif new_blocks:
-                self.blocks.setdefault(req_id, []).extend(new_blocks[0])
-            scheduled.append(self._scheduled(request, cached.num_computed_tokens[i], output))
-        finished = frozenset(str(r) for r in output.finished_req_ids)
-        for req_id in finished:
-            self.forget(req_id)
-        self.step += 1
-        return SchedulerOutput(self.step, tuple(scheduled), finished)
-
-    def _scheduled(self, request: KVRequest, num_computed: int, output: Any) -> ScheduledRequest:
-        rid = request.request_id
-        return ScheduledRequest(
-            request, tuple(self.blocks.get(rid, ())), int(num_computed), int(output.num_scheduled_tokens.get(rid, 0))
-        )
-
-
-class LayoutBridge:
-    """Gives kvdi's worker half caches whose blocks are contiguous, copying through scratch only when needed.
-
-    kvdi's store halves read and write each layer's block as one contiguous run of bytes.
-    When every view from :func:`kvdi_layer_view` has contiguous blocks (``direct``: vLLM's
-    CPU backend, NHD layouts with blocks outermost) the worker half gets vLLM's tensors and
-    nothing is copied. Otherwise the worker half is given a small contiguous scratch cache in
-    kvdi's order: each step's :class:`BlockTransferMetadata` is rewritten from vLLM block ids
-    to scratch slots, blocks to save are gathered into scratch before the save, and loaded
-    blocks are scattered into vLLM's cache after the load.
-    """
-
-    def __init__(self, views: Mapping[str, torch.Tensor], worker: WorkerConnector) -> None:
-        self.views = dict(views)
-        self.worker = worker
-        self.direct = all(v.is_contiguous() for v in self.views.values())
-        self.scratch: dict[str, torch.Tensor] = {}
-        self._loads: list[tuple[int, int]] = []  # (vllm block id, scratch slot)
-        self._saves: list[tuple[int, int]] = []
-        self._slot_to_block: dict[int, int] = {}
-        self._errors: set[int] = set()
-        worker.register_kv_caches(self.views if self.direct else self._ensure_scratch(1))
-
-    def _ensure_scratch(self, slots: int) -> dict[str, torch.Tensor]:
-        have = next(iter(self.scratch.values())).shape[0] if self.scratch else 0
-        if slots > have:
-            size = max(slots, 2 * have)
-            self.scratch = {
-                name: torch.empty((size, *view.shape[1:]), dtype=view.dtype, device=view.device)
-                for name, view in self.views.items()
-            }
-            if have:
-                self.worker.register_kv_caches(self.scratch)
-        return self.scratch
-
-    def bind(self, metadata: KVConnectorMetadata) -> KVConnectorMetadata:
-        """The metadata to hand kvdi's worker half for this step (block ids mapped to scratch slots)."""
-        self._loads, self._saves, self._slot_to_block = [], [], {}
-        if self.direct or not isinstance(metadata, BlockTransferMetadata):
-            return metadata
-        next_slot = 0
-
-        def remap(transfers: Sequence[BlockTransfer], pairs: list[tuple[int, int]]) -> tuple[BlockTransfer, ...]:
-            nonlocal next_slot
-            out = []
-            for t in transfers:
-                slots = tuple(range(next_slot, next_slot + len(t.block_ids)))
-                next_slot += len(slots)
-                pairs.extend(zip(t.block_ids, slots, strict=True))
-                out.append(BlockTransfer(t.request_id, slots, t.block_keys))
-            return tuple(out)
-
-        loads, saves = remap(metadata.loads, self._loads), remap(metadata.saves, self._saves)
-        self._slot_to_block = dict((slot, block) for block, slot in self._loads)
-        if next_slot:
-            self._ensure_scratch(next_slot)
-        return BlockTransferMetadata(loads, saves)
-
-    def after_load(self) -> None:
-        """Scatter the blocks kvdi loaded into scratch into vLLM's cache; remember failed vLLM block ids."""
-        failed_slots = self.worker.get_block_ids_with_load_errors()
-        if self.direct:
-            self._errors |= failed_slots
-            return
-        self._errors |= {self._slot_to_block.get(s, s) for s in failed_slots}
-        good = [(b, s) for b, s in self._loads if s not in failed_slots and b not in self._errors]
-        if not good:
-            return
-        blocks = torch.tensor([b for b, _ in good], dtype=torch.long)
-        slots = torch.tensor([s for _, s in good], dtype=torch.long)
-        for name, view in self.views.items():
-            src = self.scratch[name]
-            view[blocks.to(view.device)] = src[slots.to(src.device)]
-
-    def before_save(self) -> None:
-        """Gather the blocks to save from vLLM's cache into scratch (kvdi's byte order)."""
-        if self.direct or not self._saves:
-            return
-        blocks = torch.tensor([b for b, _ in self._saves], dtype=torch.long)
-        slots = torch.tensor([s for _, s in self._saves], dtype=torch.long)
-        for name, view in self.views.items():
-            dst = self.scratch[name]
-            dst[slots.to(dst.device)] = view[blocks.to(view.device)]
-
-    def take_errors(self) -> set[int]:
-        """vLLM block ids whose load failed since the last call."""
-        errors, self._errors = self._errors, set()
-        return errors
-
-
-# --------------------------------------------------------------------------- stats
 
 
 @dataclass
@@ -512,61 +181,6 @@ class KvdiConnectorStats(KVConnectorStats):  # type: ignore[misc,unused-ignore]
 
     def is_empty(self) -> bool:
         return not any(value for counters in self.data.values() for value in counters.values())
-
-
-def stats_delta(now: ConnectorStats, before: dict[str, int | float]) -> dict[str, int | float]:
-    """Counters of ``now`` minus the snapshot ``before`` (zeros kept out)."""
-    return {k: v - before.get(k, 0) for k, v in now.as_dict().items() if v - before.get(k, 0)}
-
-
-def write_stats_file(directory: str, engine_id: str, role: str, name: str, stats: ConnectorStats) -> None:
-    """Cumulative counters as ``<dir>/<engine_id>-<role>-<pid>.json``, published atomically."""
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    target = path / f"{engine_id}-{role}-{os.getpid()}.json"
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"connector": name, "role": role, "engine_id": engine_id, **stats.as_dict()}))
-    os.replace(tmp, target)
-
-
-# --------------------------------------------------------------------------- shared containers
-
-
-class _SharedContainers:
-    """One kvdi container per engine id within a process, so co-located halves share one backend.
-
-    Module-level on purpose: vLLM constructs each role separately and gives the two
-    objects no way to reach each other.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: dict[str, tuple[KVTransferContainer, int]] = {}
-
-    def acquire(self, engine_id: str, settings_kwargs: dict[str, Any], layout: KVCacheSpec) -> KVTransferContainer:
-        with self._lock:
-            entry = self._entries.get(engine_id)
-            if entry is None:
-                container = build_kv_container(**settings_kwargs)
-                container.layout.override(providers.Object(layout))
-                entry = (container, 0)
-            self._entries[engine_id] = (entry[0], entry[1] + 1)
-            return entry[0]
-
-    def release(self, engine_id: str) -> None:
-        with self._lock:
-            entry = self._entries.get(engine_id)
-            if entry is None:
-                return
-            container, users = entry
-            if users > 1:
-                self._entries[engine_id] = (container, users - 1)
-                return
-            del self._entries[engine_id]
-        container.shutdown_resources()
-
-
-_SHARED = _SharedContainers()
 
 
 # --------------------------------------------------------------------------- the connector
