@@ -1,21 +1,30 @@
 """Shared test setup. kvdi's own pytest plugin (kvdi.testing.plugin) is loaded through its
 ``pytest11`` entry point; ``pytester`` runs inner test sessions for the plugin's tests."""
 
+import os as _os
+from collections.abc import Callable as _Callable
+from collections.abc import Iterator as _Iterator
+
+import pytest as _pytest
+import torch as _torch
+
+from kvdi.testing.redis_server import INSTALL_HINT as _REDIS_HINT
+from kvdi.testing.redis_server import RedisServer as _RedisServer
+from kvdi.testing.redis_server import find_redis_server as _find_redis_server
+
 pytest_plugins = ["pytester"]
 
 
-# --- redis-server fixtures (owner: Redis connector, issue 4) -------------------------------
-import os as _os  # noqa: E402
-from collections.abc import Callable as _Callable  # noqa: E402
-from collections.abc import Iterator as _Iterator  # noqa: E402
-
-import pytest as _pytest  # noqa: E402
-
-from kvdi.testing.redis_server import INSTALL_HINT as _REDIS_HINT  # noqa: E402
-from kvdi.testing.redis_server import RedisServer as _RedisServer  # noqa: E402
-from kvdi.testing.redis_server import find_redis_server as _find_redis_server  # noqa: E402
+@_pytest.fixture(autouse=True)
+def one_torch_thread() -> _Iterator[None]:
+    """One intra-op thread: on a shared 2-core machine, OpenMP threads waiting on each other cost seconds."""
+    before = _torch.get_num_threads()
+    _torch.set_num_threads(1)
+    yield
+    _torch.set_num_threads(before)
 
 
+# --- redis-server fixtures ------------------------------------------------------------------
 def _require_redis_server() -> None:
     """Fail under CI (env CI set), else skip, when the redis-server binary is missing."""
     if _find_redis_server() is None:

@@ -5,12 +5,10 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "containers" / "prefill_decode_pair.py"
 
@@ -57,12 +55,3 @@ def test_pair_shutdown_frees_both_kv_caches(small_env: Path, tmp_path: Path) -> 
 
 def test_decode_engine_loads_what_the_prefill_engine_saved(small_env: Path, tmp_path: Path) -> None:
     assert load_script().run(str(tmp_path), prompts=1, prompt_len=40, new_tokens=2) == 0
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: on a shared 2-core machine, OpenMP threads waiting on each other cost seconds."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

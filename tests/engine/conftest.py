@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from engine_helpers import small_settings
 
 from kvdi.containers import EngineContainer, build_engine_container
@@ -35,12 +34,3 @@ def make_container(kvdi_env: Path) -> Iterator[Callable[..., EngineContainer]]:
     yield make
     for container in built:
         container.shutdown_resources()
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: on a shared 2-core machine, OpenMP threads waiting on each other cost seconds."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
