@@ -20,7 +20,7 @@ from typing import Any
 from dependency_injector import containers, providers
 from pydantic import BaseModel, ValidationError
 
-from kvdi.allocator import AllocationPlan, GpuBufferAllocator, KVCacheSpec, allocated
+from kvdi.allocator import GpuBufferAllocator, KVCacheSpec, allocated
 from kvdi.connectors.base import ConnectorContext, KVConnectorRole, SchedulerConnector, WorkerConnector, require_role
 from kvdi.errors import ConfigError, V1EngineRequiredError
 from kvdi.registry import ConnectorRegistry, LazyTarget, ResolvedConnector
@@ -173,8 +173,7 @@ def build_engine_container(
         container.kv.registry.override(providers.Object(registry))
     container.kv.connector()
     container.kv.options()
-    plan: AllocationPlan = container.alloc.plan()
-    del plan
+    container.alloc.plan()  # an impossible budget fails here, before anything is allocated
     return container
 
 
