@@ -22,9 +22,9 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from kvdi.errors import ConfigError
 
@@ -36,6 +36,8 @@ Buffer = bytes | bytearray | memoryview
 
 LOW_WATERMARK = 0.9  # evict down to this fraction of max_bytes
 STALE_TEMP_S = 3600.0  # temp files older than this belong to dead writers
+
+_R = TypeVar("_R")
 
 
 class FileBlockStore:
@@ -67,7 +69,28 @@ class FileBlockStore:
         return len(keys)
 
     def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        out: list[Buffer | None] = []
+        def read(_i: int, fd: int, size: int) -> Buffer:
+            buf = bytearray(size)
+            got = _readv_full(fd, [memoryview(buf)])
+            return buf if got == size else memoryview(buf)[:got]
+
+        not_an_object: Buffer = b""  # present but not an object: the reader drops it
+        return self._read_objects(keys, read, not_an_object)
+
+    def get_into_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[int | None]:
+        """Read each object straight into its pieces when its size matches (see ``ReadIntoStore``)."""
+
+        def read(i: int, fd: int, size: int) -> int:
+            pieces = items[i][1]
+            return _readv_full(fd, pieces) if size == sum(p.nbytes for p in pieces) else size
+
+        return self._read_objects([key for key, _ in items], read, 0)
+
+    def _read_objects(
+        self, keys: Sequence[bytes], read: Callable[[int, int, int], _R], not_object: _R
+    ) -> list[_R | None]:
+        """``read(i, fd, size)`` each key's object: None where absent, ``not_object`` where the name is no file."""
+        out: list[_R | None] = []
         stamp = time.time_ns()
         for i, key in enumerate(keys):
             fd = self._open(key)
@@ -77,33 +100,10 @@ class FileBlockStore:
             try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
-                    out.append(b"")  # present but not an object: the reader drops it
+                    out.append(not_object)
                     continue
-                buf = bytearray(st.st_size)
-                got = _readv_full(fd, [memoryview(buf)])
-                out.append(buf if got == st.st_size else memoryview(buf)[:got])
+                out.append(read(i, fd, st.st_size))
                 self._touch(fd, stamp + len(keys) - i)
-            finally:
-                os.close(fd)
-        return out
-
-    def get_into_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[int | None]:
-        """Read each object straight into its pieces when its size matches (see ``ReadIntoStore``)."""
-        out: list[int | None] = []
-        stamp = time.time_ns()
-        for i, (key, pieces) in enumerate(items):
-            fd = self._open(key)
-            if fd is None:
-                out.append(None)
-                continue
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    out.append(0)
-                    continue
-                total = sum(p.nbytes for p in pieces)
-                out.append(_readv_full(fd, pieces) if st.st_size == total else st.st_size)
-                self._touch(fd, stamp + len(items) - i)
             finally:
                 os.close(fd)
         return out
