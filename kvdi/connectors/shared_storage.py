@@ -229,6 +229,14 @@ class FileBlockStore:
         """Nothing to release: every call opens and closes its own files."""
 
 
+def _advance(bufs: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes from ``bufs`` after a short vectored read or write."""
+    while bufs and n >= bufs[0].nbytes:
+        n -= bufs.pop(0).nbytes
+    if n:
+        bufs[0] = bufs[0][n:]
+
+
 def _readv_full(fd: int, pieces: Sequence[memoryview]) -> int:
     """Fill ``pieces`` from ``fd``; returns bytes read (less than asked only at end of file)."""
     bufs = [p for p in pieces if p.nbytes]
@@ -238,10 +246,7 @@ def _readv_full(fd: int, pieces: Sequence[memoryview]) -> int:
         if n == 0:
             break
         done += n
-        while bufs and n >= bufs[0].nbytes:
-            n -= bufs.pop(0).nbytes
-        if n:
-            bufs[0] = bufs[0][n:]
+        _advance(bufs, n)
     return done
 
 
@@ -252,10 +257,7 @@ def _writev_full(fd: int, pieces: Sequence[Buffer]) -> int:
     while bufs:
         n = os.writev(fd, bufs)
         done += n
-        while bufs and n >= bufs[0].nbytes:
-            n -= bufs.pop(0).nbytes
-        if n:
-            bufs[0] = bufs[0][n:]
+        _advance(bufs, n)
     return done
 
 
