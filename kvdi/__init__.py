@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from kvdi.allocator import AllocationPlan, GpuBufferAllocator, KVCacheSpec
+from kvdi.allocator import AllocationPlan, GpuBufferAllocator
 from kvdi.connectors.base import (
     BlockTransferMetadata,
     ConnectorContext,
@@ -36,6 +36,7 @@ from kvdi.errors import (
     UnknownConnectorError,
     V1EngineRequiredError,
 )
+from kvdi.layout import KVCacheSpec
 from kvdi.registry import ConnectorRegistry, ConnectorSpec
 from kvdi.settings import KvdiSettings, load_settings
 

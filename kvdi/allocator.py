@@ -1,87 +1,45 @@
-"""Plans and allocates the paged KV cache: CUDA when present, CPU otherwise.
+"""Plans and allocates the paged KV cache (CUDA when present, CPU otherwise) and its staging buffers.
 
-:class:`GpuBufferAllocator` plans first (:meth:`~GpuBufferAllocator.plan` imports torch only
-to look at the device and never allocates), then :meth:`~GpuBufferAllocator.allocate`
-creates one tensor per layer of shape ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
-(a block of one layer, K then V, is contiguous), plus pinned host staging buffers when the
-cache lives on CUDA. :meth:`~GpuBufferAllocator.free` releases everything.
+:func:`plan_allocation` is pure: from a layout, the allocator settings, the resolved device
+and the free bytes it says how many blocks fit and how much staging a device cache needs.
+:class:`GpuBufferAllocator` owns the tensors: :meth:`~GpuBufferAllocator.allocate` creates one
+tensor per layer of shape ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (a block of
+one layer, K then V, is contiguous); :meth:`~GpuBufferAllocator.staging` hands connectors
+their staging buffers (:class:`StagingBuffers`: pinned host memory when the cache is on CUDA
+and ``pin_memory`` is on); :meth:`~GpuBufferAllocator.free` releases all of it.
 """
 
 from __future__ import annotations
 
-import hashlib
+import logging
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvdi.errors import AllocationError
+from kvdi.layout import KVCacheSpec
 
 if TYPE_CHECKING:
     import torch
 
-    from kvdi.settings import AllocatorSettings, KvdiSettings
+    from kvdi.settings import AllocatorSettings
 
-FORMAT_VERSION = 1
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DEFAULT_MEMORY_FRACTION = 0.05
 STAGING_BLOCKS = 64
+"""Host staging planned for a device cache, in blocks: above the store halves' largest chunk."""
 
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Shape of the paged KV cache; also the layout that stored KV must match."""
-
-    model_id: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str
-
-    @classmethod
-    def from_settings(cls, settings: KvdiSettings) -> KVCacheSpec:
-        m, a = settings.model, settings.allocator
-        return cls(m.model_id, m.num_layers, m.num_kv_heads, m.head_dim, a.block_size, a.dtype)
-
-    @property
-    def layer_names(self) -> tuple[str, ...]:
-        """Names of the per-layer cache tensors, in forward order."""
-        return tuple(f"layers.{i}" for i in range(self.num_layers))
-
-    @property
-    def block_shape(self) -> tuple[int, int, int, int]:
-        """Shape of one block of one layer: ``(2, block_size, num_kv_heads, head_dim)``."""
-        return (2, self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
-    def layer_block_bytes(self) -> int:
-        """Bytes of one block of one layer (K and V)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block across all layers: the payload of one stored object."""
-        return self.layer_block_bytes * self.num_layers
-
-    def fingerprint(self) -> bytes:
-        """16 bytes that change whenever any layout field or the kvdi format version changes."""
-        text = "|".join(
-            str(v)
-            for v in (
-                self.model_id,
-                self.dtype,
-                self.num_layers,
-                self.num_kv_heads,
-                self.head_dim,
-                self.block_size,
-                FORMAT_VERSION,
-            )
-        )
-        return hashlib.blake2b(text.encode(), digest_size=16).digest()
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class AllocationPlan:
-    """What :meth:`GpuBufferAllocator.allocate` will create, computed without allocating."""
+    """What :meth:`GpuBufferAllocator.allocate` will create, computed without allocating.
+
+    ``staging_bytes`` is the host staging planned for device<->host copies (0 for a CPU
+    cache, whose blocks are read and written in place); ``staging_pinned`` says whether it
+    is page-locked.
+    """
 
     device: str
     num_blocks: int
@@ -90,56 +48,130 @@ class AllocationPlan:
     staging_bytes: int
     budget_bytes: int
     budget_source: str
+    staging_pinned: bool = False
 
     def describe(self) -> str:
         gib = self.total_bytes / 2**30
+        kind = "pinned" if self.staging_pinned else "pageable"
         return (
             f"{self.num_blocks} blocks x {self.block_bytes} B = {gib:.3f} GiB on {self.device} "
-            f"(budget {self.budget_source}); staging {self.staging_bytes} B pinned"
+            f"(budget {self.budget_source}); staging {self.staging_bytes} B {kind}"
         )
 
 
+def plan_allocation(
+    spec: KVCacheSpec, settings: AllocatorSettings, device: str, free_bytes: int | None
+) -> AllocationPlan:
+    """The plan for ``spec`` on the resolved ``device``; pure (no torch, no memory probe).
+
+    ``free_bytes`` is the device's free memory, needed only when ``settings.num_blocks`` is
+    unset. Raises AllocationError when no block fits the budget.
+    """
+    per_block = spec.block_bytes
+    s = settings
+    if s.num_blocks is not None:
+        num_blocks, budget, source = s.num_blocks, s.num_blocks * per_block, f"num_blocks={s.num_blocks}"
+    else:
+        fraction = s.memory_fraction if s.memory_fraction is not None else DEFAULT_MEMORY_FRACTION
+        if not 0.0 < fraction <= 1.0:
+            raise AllocationError(f"allocator.memory_fraction must be in (0, 1], got {fraction}")
+        if free_bytes is None:
+            raise ValueError("plan_allocation() needs free_bytes when num_blocks is not set")
+        budget = int(free_bytes * fraction)
+        num_blocks = budget // per_block
+        source = f"memory_fraction={fraction} of {free_bytes} B free"
+    if num_blocks < 1:
+        raise AllocationError(
+            f"no KV block fits: one block needs {per_block} B ({spec}), budget is {budget} B "
+            f"({source}); raise KVDI_ALLOCATOR__MEMORY_FRACTION or set KVDI_ALLOCATOR__NUM_BLOCKS"
+        )
+    on_cuda = device.startswith("cuda")
+    staging = STAGING_BLOCKS * per_block if on_cuda else 0
+    return AllocationPlan(
+        device, num_blocks, per_block, num_blocks * per_block, staging, budget, source, on_cuda and s.pin_memory
+    )
+
+
+class Staging(Protocol):
+    """Where a connector's worker half takes staging buffers: ``staging(nbytes, device=..., owner=...)``."""
+
+    def __call__(
+        self, nbytes: int, *, device: str | torch.device = "cpu", owner: str | None = None
+    ) -> torch.Tensor: ...
+
+
+class StagingBuffers:
+    """Staging tensors for copies between a cache and another place, created and counted in one place.
+
+    Host buffers (``device="cpu"``) are page-locked when ``pin_memory`` is on and CUDA is
+    available; device buffers (e.g. a p2p receiver's NCCL landing zone) live on ``device``.
+    A caller that names an ``owner`` holds one buffer per owner: asking again (to grow it)
+    replaces the previous one in the count, so :attr:`nbytes` is what is held now.
+    """
+
+    def __init__(self, pin_memory: bool) -> None:
+        self.pin_memory = pin_memory
+        self._held: dict[str, torch.Tensor] = {}
+        self._anonymous = 0
+
+    def __call__(self, nbytes: int, *, device: str | torch.device = "cpu", owner: str | None = None) -> torch.Tensor:
+        """A new uint8 tensor of exactly ``nbytes`` on ``device`` (uninitialised)."""
+        import torch
+
+        if nbytes < 0:
+            raise ValueError(f"staging size must be >= 0, got {nbytes}")
+        where = torch.device(device)
+        pin = where.type == "cpu" and self.pin_memory and torch.cuda.is_available()
+        try:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=where, pin_memory=pin)
+        except (RuntimeError, MemoryError) as exc:
+            raise AllocationError(f"allocating {nbytes} B of staging on {where} failed: {exc}") from exc
+        if owner is None:
+            self._anonymous += 1
+            owner = f"#{self._anonymous}"
+        self._held[owner] = buf
+        return buf
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers held now, oldest owner first."""
+        return list(self._held.values())
+
+    @property
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held now per device, e.g. ``{"cpu": 1048576}``."""
+        out: dict[str, int] = {}
+        for buf in self._held.values():
+            out[str(buf.device)] = out.get(str(buf.device), 0) + buf.numel()
+        return out
+
+    def free(self) -> None:
+        """Drop every buffer handed out (callers must not use them afterwards)."""
+        self._held = {}
+
+
 class GpuBufferAllocator:
-    """Owns the paged KV cache tensors of one engine."""
+    """Owns the paged KV cache tensors of one engine and the staging its connectors use."""
 
     def __init__(self, spec: KVCacheSpec, settings: AllocatorSettings) -> None:
         self.spec = spec
         self.settings = settings
         self._plan: AllocationPlan | None = None
         self._caches: dict[str, torch.Tensor] = {}
-        self._staging: list[torch.Tensor] = []
+        self._staging = StagingBuffers(pin_memory=False)
+        self._over_plan_logged = False
 
     def plan(self) -> AllocationPlan:
         """Blocks, bytes and device; raises AllocationError if no block fits. Allocates nothing."""
         if self._plan is None:
-            self._plan = self._make_plan()
+            device = resolve_device(self.settings.device)
+            free = free_memory_bytes(device) if self.settings.num_blocks is None else None
+            self._plan = plan_allocation(self.spec, self.settings, device, free)
+            self._staging.pin_memory = self._plan.staging_pinned
         return self._plan
 
-    def _make_plan(self) -> AllocationPlan:
-        device = resolve_device(self.settings.device)
-        per_block = self.spec.block_bytes
-        s = self.settings
-        if s.num_blocks is not None:
-            num_blocks, budget, source = s.num_blocks, s.num_blocks * per_block, f"num_blocks={s.num_blocks}"
-        else:
-            fraction = s.memory_fraction if s.memory_fraction is not None else DEFAULT_MEMORY_FRACTION
-            if not 0.0 < fraction <= 1.0:
-                raise AllocationError(f"allocator.memory_fraction must be in (0, 1], got {fraction}")
-            free = free_memory_bytes(device)
-            budget = int(free * fraction)
-            num_blocks = budget // per_block
-            source = f"memory_fraction={fraction} of {free} B free"
-        if num_blocks < 1:
-            raise AllocationError(
-                f"no KV block fits: one block needs {per_block} B ({self.spec}), budget is {budget} B "
-                f"({source}); raise KVDI_ALLOCATOR__MEMORY_FRACTION or set KVDI_ALLOCATOR__NUM_BLOCKS"
-            )
-        on_cuda = device.startswith("cuda")
-        staging = STAGING_BLOCKS * per_block if on_cuda and s.pin_memory else 0
-        return AllocationPlan(device, num_blocks, per_block, num_blocks * per_block, staging, budget, source)
-
     def allocate(self) -> dict[str, torch.Tensor]:
-        """Create the per-layer caches (zeroed) and staging buffers; idempotent."""
+        """Create the per-layer caches (zeroed); idempotent. Staging is created on demand by :meth:`staging`."""
         if self._caches:
             return self._caches
         import torch
@@ -150,12 +182,25 @@ class GpuBufferAllocator:
         try:
             for name in self.spec.layer_names:
                 self._caches[name] = torch.zeros(shape, dtype=dtype, device=plan.device)
-            if plan.staging_bytes:
-                self._staging.append(torch.empty(plan.staging_bytes, dtype=torch.uint8, pin_memory=True))
         except (RuntimeError, MemoryError) as exc:
             self.free()
             raise AllocationError(f"allocating {plan.describe()} failed: {exc}") from exc
         return self._caches
+
+    def staging(self, nbytes: int, *, device: str | torch.device = "cpu", owner: str | None = None) -> torch.Tensor:
+        """A uint8 staging tensor of ``nbytes`` on ``device``, owned (and freed) by this allocator.
+
+        Host staging is pinned when the cache is on CUDA and ``KVDI_ALLOCATOR__PIN_MEMORY``
+        is on. See :class:`StagingBuffers` for ``owner``. Host staging beyond the plan's
+        ``staging_bytes`` is allowed and logged once.
+        """
+        plan = self.plan()
+        buf = self._staging(nbytes, device=device, owner=owner)
+        host = self._staging.nbytes.get("cpu", 0)
+        if host > plan.staging_bytes and not self._over_plan_logged:
+            self._over_plan_logged = True
+            logger.info("host staging is %d B, above the %d B planned (%s)", host, plan.staging_bytes, plan.describe())
+        return buf
 
     @property
     def kv_caches(self) -> dict[str, torch.Tensor]:
@@ -164,13 +209,18 @@ class GpuBufferAllocator:
 
     @property
     def staging_buffers(self) -> list[torch.Tensor]:
-        """Pinned host buffers for device<->host copies (only when the cache is on CUDA)."""
-        return self._staging
+        """The staging buffers handed out by :meth:`staging` and held now."""
+        return self._staging.buffers
+
+    @property
+    def staging_nbytes(self) -> dict[str, int]:
+        """Staging bytes held now per device."""
+        return self._staging.nbytes
 
     def free(self) -> None:
-        """Drop every tensor this allocator created."""
+        """Drop every tensor this allocator created (caches and staging)."""
         self._caches = {}
-        self._staging = []
+        self._staging.free()
 
 
 def resolve_device(device: str) -> str:
@@ -206,15 +256,25 @@ def free_memory_bytes(device: str) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def allocated(allocator: GpuBufferAllocator):  # type: ignore[no-untyped-def]
+def allocated(allocator: GpuBufferAllocator) -> Iterator[GpuBufferAllocator]:
     """Resource initializer: allocate, hand the allocator out, free on container shutdown."""
     allocator.allocate()
     try:
         yield allocator
     finally:
         allocator.free()
+
+
+__all__ = [
+    "AllocationPlan",
+    "GpuBufferAllocator",
+    "Staging",
+    "StagingBuffers",
+    "allocated",
+    "free_memory_bytes",
+    "plan_allocation",
+    "resolve_device",
+]

@@ -1,11 +1,14 @@
 """dependency-injector containers that select connectors, gate V1 and inject by role.
 
-- :class:`KVTransferContainer`: settings -> registry -> V1 gate -> resolved connector ->
-  ``scheduler_connector`` / ``worker_connector`` (and the ``backend`` both halves share).
+- :class:`KVTransferContainer`: settings -> registry -> V1 gate -> resolved connector (and
+  its ``tiers``, resolved through the same registry) -> ``scheduler_connector`` /
+  ``worker_connector`` (and the ``backend`` both halves share). The worker half also gets
+  ``staging``: where it takes host/device staging buffers from.
 - :class:`AllocatorContainer`: the allocation ``plan`` (no memory) and the ``allocator``
   (a Resource: allocated on first use, freed by ``shutdown_resources()``).
 - :class:`EngineContainer`: composes both; the scheduler gets the scheduler half and the
-  plan, the worker gets the worker half and the allocator, the engine gets both.
+  plan, the worker gets the worker half and the allocator, the engine gets both; the worker
+  half's staging comes from the allocator, so one object accounts for device and pinned memory.
 
 Build them with :func:`build_kv_container` / :func:`build_engine_container`, which validate
 everything (settings, connector name, V1 gate, role classes) before returning.
@@ -20,10 +23,11 @@ from typing import Any
 from dependency_injector import containers, providers
 from pydantic import BaseModel, ValidationError
 
-from kvdi.allocator import GpuBufferAllocator, KVCacheSpec, allocated
+from kvdi.allocator import GpuBufferAllocator, Staging, StagingBuffers, allocated
 from kvdi.connectors.base import ConnectorContext, KVConnectorRole, SchedulerConnector, WorkerConnector, require_role
 from kvdi.errors import ConfigError, V1EngineRequiredError
-from kvdi.registry import ConnectorRegistry, LazyTarget, ResolvedConnector
+from kvdi.layout import KVCacheSpec
+from kvdi.registry import ConnectorRegistry, LazyTarget, ResolvedConnector, Tier
 from kvdi.settings import KvdiSettings, describe_validation_error, load_settings
 
 
@@ -59,14 +63,35 @@ def connector_options(resolved: ResolvedConnector, settings: KvdiSettings) -> An
     raise TypeError(f"ConnectorSpec.settings of {resolved.spec.name!r} must be a field name or a pydantic model")
 
 
+def resolve_tiers(
+    registry: ConnectorRegistry, resolved: ResolvedConnector, options: Any, settings: KvdiSettings
+) -> tuple[Tier, ...]:
+    """The store connectors named by the connector's ``tiers`` field, each with its own options.
+
+    Raises ConfigError (naming the setting, with did-you-mean) for a name that is not a
+    registered store connector. Empty for a connector without tiers.
+    """
+    field = resolved.spec.tiers
+    if field is None:
+        return ()
+    section = resolved.spec.settings
+    setting = f"KVDI_{section}__{field}".upper() if isinstance(section, str) else f"{resolved.spec.name}.{field}"
+    tiers = []
+    for name in getattr(options, field):
+        tier = registry.resolve_store(name, setting)
+        tiers.append(Tier(name, tier, connector_options(tier, settings)))
+    return tuple(tiers)
+
+
 def open_backend(
-    resolved: ResolvedConnector, options: Any, layout: KVCacheSpec, settings: KvdiSettings
+    resolved: ResolvedConnector, options: Any, layout: KVCacheSpec, settings: KvdiSettings, tiers: tuple[Tier, ...]
 ) -> Iterator[Any]:
     """Resource: the object both halves share, closed on ``shutdown_resources()``."""
     if resolved.backend_factory is None:
         yield None
         return
-    backend = resolved.backend_factory(options, layout, settings)
+    extra = {"tiers": tiers} if resolved.spec.tiers is not None else {}
+    backend = resolved.backend_factory(options, layout, settings, **extra)
     try:
         yield backend
     finally:
@@ -82,9 +107,10 @@ def build_half(
     layout: KVCacheSpec,
     options: Any,
     backend: Any,
+    staging: Staging | None = None,
 ) -> SchedulerConnector | WorkerConnector:
     """Construct the ``role`` half of the resolved connector and check it really is that role."""
-    context = ConnectorContext(resolved.spec.name, role, settings, layout, options, backend)
+    context = ConnectorContext(resolved.spec.name, role, settings, layout, options, backend, staging)
     half = resolved.cls_for(role)(context)
     require_role(half, role, f"connector {resolved.spec.name!r}")
     return half
@@ -107,12 +133,15 @@ class KVTransferContainer(containers.DeclarativeContainer):
     layout = providers.Singleton(KVCacheSpec.from_settings, settings)
     connector = providers.Singleton(resolve_connector, registry, settings)
     options = providers.Singleton(connector_options, connector, settings)
-    backend = providers.Resource(open_backend, connector, options, layout, settings)
+    tiers = providers.Singleton(resolve_tiers, registry, connector, options, settings)
+    backend = providers.Resource(open_backend, connector, options, layout, settings, tiers)
+    staging = providers.Singleton(StagingBuffers, settings.provided.allocator.pin_memory)
+    """Staging for the worker half; an EngineContainer replaces it with its allocator's."""
     scheduler_connector = providers.Factory(
         build_half, connector, KVConnectorRole.SCHEDULER, settings, layout, options, backend
     )
     worker_connector = providers.Factory(
-        build_half, connector, KVConnectorRole.WORKER, settings, layout, options, backend
+        build_half, connector, KVConnectorRole.WORKER, settings, layout, options, backend, staging
     )
 
 
@@ -124,14 +153,15 @@ class AllocatorContainer(containers.DeclarativeContainer):
     planner = providers.Singleton(GpuBufferAllocator, layout, settings.provided.allocator)
     plan = providers.Singleton(GpuBufferAllocator.plan, planner)
     allocator = providers.Resource(allocated, planner)
+    staging = allocator.provided.staging
 
 
 class EngineContainer(containers.DeclarativeContainer):
     """A whole engine: scheduler with the scheduler half, worker with the worker half and the allocator."""
 
     settings = providers.Dependency(instance_of=KvdiSettings)
-    kv = providers.Container(KVTransferContainer, settings=settings)
     alloc = providers.Container(AllocatorContainer, settings=settings)
+    kv = providers.Container(KVTransferContainer, settings=settings, staging=alloc.staging)
 
     model = providers.Singleton(
         LazyTarget("kvdi.engine.model:TransformerModel"), settings.provided.model, alloc.layout, alloc.plan
@@ -161,6 +191,7 @@ def build_kv_container(
         container.registry.override(providers.Object(registry))
     container.connector()
     container.options()
+    container.tiers()
     return container
 
 
@@ -173,6 +204,7 @@ def build_engine_container(
         container.kv.registry.override(providers.Object(registry))
     container.kv.connector()
     container.kv.options()
+    container.kv.tiers()
     container.alloc.plan()  # an impossible budget fails here, before anything is allocated
     return container
 

@@ -13,11 +13,19 @@ import importlib
 import importlib.metadata
 import importlib.util
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from kvdi.connectors.base import KVConnectorRole, SchedulerConnector, WorkerConnector
-from kvdi.errors import ConnectorImportError, ConnectorTypeError, DuplicateConnectorError, UnknownConnectorError
+from kvdi.errors import (
+    ConfigError,
+    ConnectorImportError,
+    ConnectorTypeError,
+    DuplicateConnectorError,
+    KvdiError,
+    UnknownConnectorError,
+    did_you_mean,
+)
 
 ENTRY_POINT_GROUP = "kvdi.connectors"
 Origin = Literal["builtin", "entry-point", "module-path"]
@@ -31,7 +39,11 @@ class ConnectorSpec:
     container and shared by both halves (a store, pool or client). ``settings`` names the
     field of :class:`~kvdi.settings.KvdiSettings` that holds the connector's typed options,
     or a pydantic model class validated from ``kv_connector_extra_config``. ``requires``
-    lists import names of optional dependencies.
+    lists import names of optional dependencies. ``process_local`` says the backend lives in
+    this process only (e.g. ``cpu_offload``): what one process saves another cannot load.
+    ``tiers`` names the field of the connector's options that lists other registered store
+    connectors this one is built from (``multi``'s ``tiers``): the container resolves each
+    through its registry before building anything and hands the backend factory ``tiers=``.
     """
 
     name: str
@@ -41,6 +53,8 @@ class ConnectorSpec:
     settings: str | type[Any] | None = None
     requires: tuple[str, ...] = ()
     description: str = ""
+    process_local: bool = False
+    tiers: str | None = None
 
     def targets(self) -> tuple[str, str, str | None]:
         return (self.scheduler, self.worker, self.backend)
@@ -72,6 +86,27 @@ class ResolvedConnector:
     def cls_for(self, role: KVConnectorRole) -> type[SchedulerConnector] | type[WorkerConnector]:
         return self.scheduler_cls if role is KVConnectorRole.SCHEDULER else self.worker_cls
 
+    @property
+    def is_store(self) -> bool:
+        """A plain store connector: the store halves over its own backend (so it can be a tier)."""
+        from kvdi.connectors.store import StoreSchedulerConnector, StoreWorkerConnector
+
+        return (
+            self.backend_factory is not None
+            and self.spec.tiers is None
+            and issubclass(self.scheduler_cls, StoreSchedulerConnector)
+            and issubclass(self.worker_cls, StoreWorkerConnector)
+        )
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One store connector another connector is built from, with its typed options."""
+
+    name: str
+    connector: ResolvedConnector
+    options: Any
+
 
 _C = "kvdi.connectors"
 BUILTIN_SPECS: tuple[ConnectorSpec, ...] = (
@@ -96,6 +131,7 @@ BUILTIN_SPECS: tuple[ConnectorSpec, ...] = (
         backend=f"{_C}.cpu_offload:open_store",
         settings="cpu_offload",
         description="host memory pool with LRU eviction",
+        process_local=True,
     ),
     ConnectorSpec(
         "redis",
@@ -112,6 +148,7 @@ BUILTIN_SPECS: tuple[ConnectorSpec, ...] = (
         f"{_C}.store:StoreWorkerConnector",
         backend=f"{_C}.multi:open_store",
         settings="multi",
+        tiers="tiers",
         description="tiers in order, e.g. cpu_offload then shared_storage",
     ),
     ConnectorSpec(
@@ -224,6 +261,34 @@ class ConnectorRegistry:
         backend = import_target(spec.backend) if spec.backend else None
         return ResolvedConnector(spec, entry.origin, scheduler_cls, worker_cls, backend)
 
+    def resolve_store(self, name: str, setting: str) -> ResolvedConnector:
+        """Resolve ``name`` as a tier: a registered store connector; ConfigError naming ``setting`` otherwise."""
+        try:
+            resolved = self.resolve(name)
+        except UnknownConnectorError:
+            stores = self.store_names()
+            raise ConfigError(
+                f"{setting} names {name!r}, which is not a registered connector; "
+                f"store connectors: {', '.join(stores)}{did_you_mean(name, stores)}"
+            ) from None
+        if not resolved.is_store:
+            raise ConfigError(
+                f"{setting} names {name!r}, which is not a store connector (a tier needs the store halves over "
+                f"a store backend); store connectors: {', '.join(self.store_names())}"
+            )
+        return resolved
+
+    def store_names(self) -> list[str]:
+        """Names of every registered connector that can be a tier (imports their classes)."""
+        out = []
+        for entry in self.all():
+            try:
+                if self.resolve(entry.spec.name).is_store:
+                    out.append(entry.spec.name)
+            except (KvdiError, ImportError, TypeError):
+                continue
+        return out
+
     def _load_entry_point(self, name: str) -> None:
         ep = self._entry_points.pop(name)
         try:
@@ -261,11 +326,7 @@ class ConnectorRegistry:
 
 
 def _renamed(spec: ConnectorSpec, name: str) -> ConnectorSpec:
-    if spec.name == name:
-        return spec
-    return ConnectorSpec(
-        name, spec.scheduler, spec.worker, spec.backend, spec.settings, spec.requires, spec.description
-    )
+    return spec if spec.name == name else replace(spec, name=name)
 
 
 def _checked_class(target: str, base: type[Any]) -> Any:

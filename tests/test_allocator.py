@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdi.allocator import GpuBufferAllocator, KVCacheSpec, resolve_device
+from kvdi.allocator import GpuBufferAllocator, resolve_device
 from kvdi.containers import build_engine_container
 from kvdi.errors import AllocationError
+from kvdi.layout import KVCacheSpec
 from kvdi.settings import AllocatorSettings
 
 SPEC = KVCacheSpec("m", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")

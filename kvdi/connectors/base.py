@@ -31,7 +31,8 @@ from kvdi.errors import ConnectorTypeError
 if TYPE_CHECKING:
     import torch
 
-    from kvdi.allocator import KVCacheSpec
+    from kvdi.allocator import Staging
+    from kvdi.layout import KVCacheSpec
     from kvdi.settings import KvdiSettings
 
 
@@ -50,6 +51,10 @@ class ConnectorContext:
     paged KV cache and seeds block keys; ``options`` is the connector's own typed settings
     model (or None); ``backend`` is the object both halves of one engine share (a store, a
     pool, a client), built once per container by the spec's ``backend`` target, or None.
+    ``staging`` (worker half only; None for the scheduler half) hands out staging buffers
+    accounted by the engine's allocator: ``staging(nbytes, device="cpu", owner=None)`` returns
+    a uint8 tensor of ``nbytes`` (host memory pinned when the cache is on CUDA and
+    ``KVDI_ALLOCATOR__PIN_MEMORY`` is on). Take staging from here rather than ``torch.empty``.
     """
 
     name: str
@@ -58,6 +63,7 @@ class ConnectorContext:
     layout: KVCacheSpec
     options: Any = None
     backend: Any = None
+    staging: Staging | None = None
 
     @property
     def engine_id(self) -> str:

@@ -3,7 +3,9 @@
 A block of one layer (``cache[block_id]``, K then V) is contiguous, so one stored payload is
 ``num_layers`` contiguous pieces. On a CPU cache the pieces are views of the cache itself:
 saves write straight from it and loads read straight into it (no staging copy). On a device
-cache, blocks bounce through a host staging buffer (pinned when CUDA is present).
+cache, blocks bounce through a host staging buffer taken from the engine's allocator
+(:meth:`kvdi.allocator.GpuBufferAllocator.staging`: pinned when the cache is on CUDA and
+``KVDI_ALLOCATOR__PIN_MEMORY`` is on).
 """
 
 from __future__ import annotations
@@ -17,14 +19,25 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+    from kvdi.allocator import Staging
+
 
 class CacheIO:
     """Per-layer uint8 views of the caches, plus staging for device caches."""
 
     def __init__(
-        self, caches: Sequence[torch.Tensor], layer_bytes: int, chunk: int, staging: bool | None = None
+        self,
+        caches: Sequence[torch.Tensor],
+        layer_bytes: int,
+        chunk: int,
+        staging: bool | None = None,
+        buffers: Staging | None = None,
     ) -> None:
-        """``staging`` forces (True) or forbids (False) the host bounce; None: only for non-CPU caches."""
+        """``staging`` forces (True) or forbids (False) the host bounce; None: only for non-CPU caches.
+
+        ``buffers`` is where the staging rows come from (the worker half's
+        ``context.staging``); None: a private :class:`~kvdi.allocator.StagingBuffers`.
+        """
         import torch
 
         if not caches:
@@ -47,9 +60,12 @@ class CacheIO:
         self._staging: torch.Tensor | None = None
         self._staging_np: np.ndarray | None = None
         if not self.direct:
-            pin = torch.cuda.is_available()
-            shape = (chunk, layer_bytes * len(caches))
-            self._staging = torch.empty(shape, dtype=torch.uint8, pin_memory=pin and first.device.type == "cuda")
+            if buffers is None:
+                from kvdi.allocator import StagingBuffers
+
+                buffers = StagingBuffers(pin_memory=first.device.type == "cuda")
+            row_bytes = layer_bytes * len(caches)
+            self._staging = buffers(chunk * row_bytes).view(chunk, row_bytes)
             self._staging_np = self._staging.numpy()
 
     def _row_pieces(self, i: int) -> list[memoryview]:

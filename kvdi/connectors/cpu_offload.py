@@ -22,7 +22,7 @@ from kvdi.connectors.framing import HEADER_SIZE
 from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvdi.allocator import KVCacheSpec
+    from kvdi.layout import KVCacheSpec
     from kvdi.settings import CpuOffloadSettings, KvdiSettings
 
 Buffer = bytes | bytearray | memoryview

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 import xxhash
 
 from kvdi.errors import KvdiError
+from kvdi.layout import FORMAT_VERSION as FRAME_VERSION
 
 MAGIC = b"KVDI"
-FRAME_VERSION = 1
 FINGERPRINT_BYTES = 16
 _HEADER = struct.Struct("<4sHH16sQQ")
 HEADER_SIZE = _HEADER.size  # 40: keeps the payload 8-byte aligned

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvdi.allocator import KVCacheSpec
+    from kvdi.layout import KVCacheSpec
 
 KEY_BYTES = 16
 _DOMAIN = b"kvdi-block-key-v1"

@@ -1,5 +1,8 @@
 """The ``multi`` backend: several stores as tiers, e.g. ``cpu_offload`` then ``shared_storage``.
 
+Tiers are registered store connectors, resolved by the container through its registry
+(:func:`kvdi.containers.resolve_tiers`), so an entry-point store connector can be a tier.
+
 Lookups take the longest prefix any tier holds; loads read each block from the first tier
 that has it; saves go to every tier; a failing tier is logged and skipped, never fatal
 (a save fails only when every tier failed). ``discard`` and ``close`` reach every tier.
@@ -7,19 +10,17 @@ that has it; saves go to every tier; a failing tier is logged and skipped, never
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kvdi.connectors.framing import Buffer
 from kvdi.connectors.store import BlockStore, ReadIntoStore
-from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvdi.allocator import KVCacheSpec
+    from kvdi.layout import KVCacheSpec
+    from kvdi.registry import Tier
     from kvdi.settings import KvdiSettings, MultiSettings
-
-Buffer = bytes | bytearray | memoryview
 
 logger = logging.getLogger(__name__)
 
@@ -106,17 +107,23 @@ class TieredStore:
             out.append(src.nbytes)
         return out
 
-    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> None:
-        """Write to every tier; raise the first OSError only if every tier failed."""
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
+        """Write to every tier; return the most objects any tier wrote (the objects now held somewhere).
+
+        A tier that raises counts as having written nothing; the first OSError is raised
+        only if every tier failed.
+        """
         errors: list[OSError] = []
+        written = 0
         for name, store in self.tiers:
             try:
-                store.put_many(items)
+                written = max(written, store.put_many(items))
             except OSError as exc:
                 errors.append(exc)
                 self._failed(name, "write", exc)
         if len(errors) == len(self.tiers):
             raise errors[0]
+        return written
 
     def discard(self, key: bytes) -> None:
         for name, store in self.tiers:
@@ -137,33 +144,33 @@ class TieredStore:
             raise first
 
 
-def open_tier(tier: str, layout: KVCacheSpec, settings: KvdiSettings) -> BlockStore:
-    """Build one tier's store with that connector's own settings section."""
-    try:
-        module = importlib.import_module(f"kvdi.connectors.{tier}")
-    except ImportError as exc:
-        raise ConfigError(f"KVDI_MULTI__TIERS names {tier!r}, which cannot be imported: {exc}") from None
-    factory: Any = getattr(module, "open_store", None)
-    if factory is None:
-        raise ConfigError(f"KVDI_MULTI__TIERS names {tier!r}, which is not a store connector (no open_store)")
-    options = getattr(settings, tier, None)
-    store = factory(options, layout, settings)
-    if not isinstance(store, BlockStore):
-        raise TypeError(f"kvdi.connectors.{tier}.open_store returned {type(store).__name__}, not a BlockStore")
-    return store
+def open_store(
+    options: MultiSettings, layout: KVCacheSpec, settings: KvdiSettings, *, tiers: Sequence[Tier]
+) -> TieredStore:
+    """The backend factory named by the ``multi`` spec: each resolved tier's store, in order.
 
-
-def open_store(options: MultiSettings, layout: KVCacheSpec, settings: KvdiSettings) -> TieredStore:
-    """The backend factory named by the ``multi`` spec: each tier in ``options.tiers`` order."""
-    tiers: list[tuple[str, BlockStore]] = []
+    ``tiers`` come from the container (:func:`kvdi.containers.resolve_tiers`); ``options``
+    is kept for the backend-factory signature. Raises TypeError if a tier's backend is not
+    a BlockStore; tiers opened before a failure are closed.
+    """
+    stores: list[tuple[str, BlockStore]] = []
     try:
-        for tier in options.tiers:
-            tiers.append((tier, open_tier(tier, layout, settings)))
+        for tier in tiers:
+            factory = tier.connector.backend_factory
+            assert factory is not None  # resolve_store only returns connectors with a backend
+            store = factory(tier.options, layout, settings)
+            if not isinstance(store, BlockStore):
+                close = getattr(store, "close", None)
+                if callable(close):
+                    close()
+                raise TypeError(f"tier {tier.name!r}: {tier.connector.spec.backend} returned "
+                                f"{type(store).__name__}, not a BlockStore")
+            stores.append((tier.name, store))
     except BaseException:
-        for _name, store in tiers:
-            store.close()
+        for _name, opened in stores:
+            opened.close()
         raise
-    return TieredStore(tiers)
+    return TieredStore(stores)
 
 
-__all__ = ["TieredStore", "open_store", "open_tier"]
+__all__ = ["TieredStore", "open_store"]

@@ -41,9 +41,9 @@ from kvdi.errors import ConfigError, ConnectorTypeError, KvdiError
 if TYPE_CHECKING:
     import torch
 
-    from kvdi.allocator import KVCacheSpec
     from kvdi.connectors.p2p_channel import P2pChannel
     from kvdi.connectors.p2p_frames import CacheReceiver
+    from kvdi.layout import KVCacheSpec
     from kvdi.settings import KvdiSettings, P2pSettings
 
 logger = logging.getLogger(__name__)

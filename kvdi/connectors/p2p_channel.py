@@ -42,11 +42,11 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCPStore
 
-from kvdi.allocator import KVCacheSpec
 from kvdi.connectors.framing import HEADER_SIZE
 from kvdi.connectors.p2p import P2pHandshakeError, P2pTransferError
 from kvdi.connectors.p2p_held import Frames, HeldBlocks
 from kvdi.connectors.p2p_rendezvous import Watchdog, handshake_problems
+from kvdi.layout import KVCacheSpec
 from kvdi.settings import P2pSettings
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from kvdi.connectors.p2p_held import Frames
 if TYPE_CHECKING:
     import torch
 
-    from kvdi.allocator import KVCacheSpec
+    from kvdi.layout import KVCacheSpec
 
 
 def gather_frames(caches: Sequence[torch.Tensor], block_ids: Sequence[int], layout: KVCacheSpec) -> Frames:

@@ -40,7 +40,7 @@ from kvdi.connectors.store import Buffer
 from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvdi.allocator import KVCacheSpec
+    from kvdi.layout import KVCacheSpec
     from kvdi.settings import KvdiSettings, RedisSettings
 
 logger = logging.getLogger(__name__)

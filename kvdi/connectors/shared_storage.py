@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvdi.allocator import KVCacheSpec
+    from kvdi.layout import KVCacheSpec
     from kvdi.settings import KvdiSettings, SharedStorageSettings
 
 Buffer = bytes | bytearray | memoryview

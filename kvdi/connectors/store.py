@@ -240,7 +240,7 @@ class StoreWorkerConnector(WorkerConnector):
         layout = self.context.layout
         names = [n for n in layout.layer_names if n in kv_caches]
         tensors = [kv_caches[n] for n in names] if len(names) == len(kv_caches) else list(kv_caches.values())
-        self._io = CacheIO(tensors, layout.layer_block_bytes, self._chunk)
+        self._io = CacheIO(tensors, layout.layer_block_bytes, self._chunk, buffers=self.context.staging)
 
     def _cache(self) -> CacheIO:
         if self._io is None:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvdi.allocator import AllocationPlan, KVCacheSpec
+from kvdi.allocator import AllocationPlan
+from kvdi.layout import KVCacheSpec
 from kvdi.settings import ModelSettings
 
 LayerHook = Callable[[str], None]

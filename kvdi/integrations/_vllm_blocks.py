@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from kvdi.allocator import KVCacheSpec
 from kvdi.connectors.base import (
     BlockTransfer,
     BlockTransferMetadata,
@@ -30,6 +29,7 @@ from kvdi.connectors.base import (
     WorkerConnector,
 )
 from kvdi.errors import ConfigError
+from kvdi.layout import KVCacheSpec
 
 # --------------------------------------------------------------------------- translation
 

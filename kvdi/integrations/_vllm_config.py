@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from dependency_injector import providers
 
-from kvdi.allocator import KVCacheSpec
 from kvdi.connectors.base import ConnectorStats
 from kvdi.containers import KVTransferContainer, build_kv_container
 from kvdi.errors import ConfigError
+from kvdi.layout import KVCacheSpec
 
 EXTRA_PREFIX = "kvdi."
 STATS_DIR_KEY = "kvdi_stats_dir"

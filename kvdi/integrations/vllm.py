@@ -70,7 +70,6 @@ try:
 except ImportError as exc:  # only vLLM loads this module; say what to install if someone else does
     raise ImportError(f"kvdi.integrations.vllm needs vLLM ({exc}); install it with: pip install 'kvdi[vllm]'") from exc
 
-from kvdi.allocator import KVCacheSpec
 from kvdi.connectors.base import (
     BlockTransferMetadata,
     KVConnectorMetadata,
@@ -94,6 +93,7 @@ from kvdi.integrations._vllm_config import needs_block_index as needs_block_inde
 from kvdi.integrations._vllm_config import settings_overrides as settings_overrides
 from kvdi.integrations._vllm_config import stats_delta as stats_delta
 from kvdi.integrations._vllm_config import write_stats_file as write_stats_file
+from kvdi.layout import KVCacheSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

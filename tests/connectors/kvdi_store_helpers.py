@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from kvdi.allocator import KVCacheSpec
 from kvdi.connectors.base import (
     ConnectorContext,
     KVConnectorRole,
@@ -19,6 +18,7 @@ from kvdi.connectors.base import (
     run_transfer_step,
 )
 from kvdi.connectors.store import BlockStore, StoreSchedulerConnector, StoreWorkerConnector
+from kvdi.layout import KVCacheSpec
 from kvdi.settings import KvdiSettings
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from kvdi.allocator import KVCacheSpec
 from kvdi.connectors.base import KVRequest
+from kvdi.layout import KVCacheSpec
 
 LAYOUT = KVCacheSpec("conc", 4, 4, 64, 16, "float32")  # 128 KiB blocks: writes take long enough to race
 BASE = list(range(1000, 1000 + 16 * 12))

@@ -308,7 +308,7 @@ def test_held_bytes_cap_evicts_the_oldest_save() -> None:
 
 # -- cache <-> wire layout (one process) ---------------------------------------------------
 def small_layout() -> Any:
-    from kvdi.allocator import KVCacheSpec
+    from kvdi.layout import KVCacheSpec
 
     return KVCacheSpec("kvdi-test", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 

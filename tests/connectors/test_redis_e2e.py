@@ -11,7 +11,6 @@ import pytest
 redis = pytest.importorskip("redis")
 torch = pytest.importorskip("torch")
 
-from kvdi.allocator import KVCacheSpec  # noqa: E402
 from kvdi.connectors.base import (  # noqa: E402
     BlockTransfer,
     BlockTransferMetadata,
@@ -23,6 +22,7 @@ from kvdi.connectors.base import (  # noqa: E402
 from kvdi.connectors.keys import block_keys  # noqa: E402
 from kvdi.connectors.redis import BreakerState, RedisBlockStore  # noqa: E402
 from kvdi.containers import EngineContainer, KVTransferContainer, build_engine_container, build_kv_container  # noqa: E402
+from kvdi.layout import KVCacheSpec  # noqa: E402
 from kvdi.testing import override_connector  # noqa: E402
 from kvdi.testing.recording import RecordingSchedulerConnector  # noqa: E402
 from kvdi.testing.redis_server import RedisServer  # noqa: E402

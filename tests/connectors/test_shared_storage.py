@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 from kvdi_store_helpers import Engine, make_settings, request, small_layout
 
-from kvdi.allocator import KVCacheSpec
 from kvdi.connectors.framing import HEADER_SIZE, frame_header
 from kvdi.connectors.keys import block_keys
 from kvdi.connectors.shared_storage import FileBlockStore, open_store
 from kvdi.containers import EngineContainer, build_engine_container
 from kvdi.errors import ConfigError
+from kvdi.layout import KVCacheSpec
 from kvdi.settings import SharedStorageSettings
 
 LAYOUT = small_layout(block_size=4)

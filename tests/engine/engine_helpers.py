@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdi.allocator import AllocationPlan, KVCacheSpec
+from kvdi.allocator import AllocationPlan
 from kvdi.engine.model import TransformerModel
+from kvdi.layout import KVCacheSpec
 from kvdi.registry import BUILTIN_SPECS, ConnectorRegistry, ConnectorSpec
 from kvdi.settings import ModelSettings
 

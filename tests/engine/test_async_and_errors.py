@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from engine_helpers import registry_with
 
-from kvdi.allocator import KVCacheSpec
 from kvdi.connectors.base import (
     BlockTransfer,
     BlockTransferMetadata,
@@ -24,6 +23,7 @@ from kvdi.connectors.base import (
 from kvdi.connectors.null import NullSchedulerConnector, NullWorkerConnector
 from kvdi.containers import EngineContainer
 from kvdi.engine.engine import LLMEngine
+from kvdi.layout import KVCacheSpec
 from kvdi.registry import ConnectorSpec
 from kvdi.settings import KvdiSettings
 

@@ -13,7 +13,6 @@ require_vllm()
 
 import torch  # noqa: E402
 
-from kvdi.allocator import KVCacheSpec  # noqa: E402
 from kvdi.connectors.base import (  # noqa: E402
     BlockTransfer,
     BlockTransferMetadata,
@@ -23,6 +22,7 @@ from kvdi.connectors.base import (  # noqa: E402
 )
 from kvdi.errors import ConfigError  # noqa: E402
 from kvdi.integrations import vllm as adapter  # noqa: E402
+from kvdi.layout import KVCacheSpec  # noqa: E402
 from kvdi.settings import load_settings  # noqa: E402
 
 SPEC = KVCacheSpec("m", 2, 2, 32, 32, "float32")
