@@ -174,3 +174,37 @@ def test_shutdown_resources_shuts_down_both_connector_halves(kvdi_container) -> 
     c.shutdown_resources()
     assert log.methods().count("shutdown") == 2
     assert c.alloc.planner().kv_caches == {}
+
+
+def test_a_store_worker_half_takes_its_staging_from_the_engine_allocator(kvdi_env: Path, tmp_path: Path) -> None:
+    import torch
+
+    model = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+             "intermediate_size": 128, "vocab_size": 256, "max_model_len": 512}  # fmt: skip
+    c = build_engine_container(
+        kv_connector="shared_storage",
+        model=model,
+        allocator={"device": "cpu", "num_blocks": 4, "block_size": 16},
+        shared_storage={"path": str(tmp_path / "kv")},
+    )
+    try:
+        worker, alloc = c.kv.worker_connector(), c.alloc.allocator()
+        assert worker.context.staging == alloc.staging
+        assert c.kv.scheduler_connector().context.staging is None  # the scheduler half never touches memory
+        layout = c.alloc.layout()
+        assert layout.block_bytes == 8192
+        # A cache that is not on the CPU (here: torch's meta device) is staged through host memory.
+        off_cpu = {n: torch.empty((4, *layout.block_shape), device="meta") for n in layout.layer_names}
+        worker.register_kv_caches(off_cpu)
+        assert alloc.staging_nbytes == {"cpu": 2**20}  # one 1 MiB chunk of 128 blocks
+    finally:
+        c.shutdown_resources()
+    assert alloc.staging_nbytes == {}
+
+
+def test_a_kv_container_alone_stages_through_its_own_counted_buffers(kvdi_env: Path) -> None:
+    from kvdi.allocator import StagingBuffers
+
+    c = build_kv_container(kv_connector="null", allocator={"pin_memory": False})
+    staging = c.worker_connector().context.staging
+    assert isinstance(staging, StagingBuffers) and staging is c.staging() and not staging.pin_memory

@@ -145,3 +145,27 @@ def test_entry_point_that_is_not_a_spec_is_a_type_error(tmp_path: Path, monkeypa
     install_entry_point(tmp_path, "bad_ep", mod, "NOT_A_SPEC")
     with pytest.raises(ConnectorTypeError, match="must be a kvdi ConnectorSpec, got int"):
         ConnectorRegistry().resolve("bad_ep")
+
+
+def test_only_cpu_offload_is_process_local() -> None:
+    reg = ConnectorRegistry(entry_points=False)
+    assert [n for n in reg.names() if reg.get(n).spec.process_local] == ["cpu_offload"]
+
+
+def test_a_renamed_entry_point_spec_keeps_every_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    impl = write_module(tmp_path, CONNECTOR_MODULE)
+    spec_mod = write_module(
+        tmp_path,
+        "from kvdi.registry import ConnectorSpec\n"
+        f'SPEC = ConnectorSpec("x", "{impl}:MySched", "{impl}:MyWorker", process_local=True, requires=("zlib",))\n',
+    )
+    install_entry_point(tmp_path, "renamed", spec_mod, "SPEC")
+    spec = ConnectorRegistry().get("renamed").spec
+    assert (spec.name, spec.process_local, spec.requires) == ("renamed", True, ("zlib",))
+
+
+def test_store_connectors_are_the_store_halves_over_a_backend() -> None:
+    reg = ConnectorRegistry(entry_points=False)
+    assert reg.store_names() == ["cpu_offload", "redis", "shared_storage"]
+    assert reg.resolve_store("redis", "X").spec.name == "redis"

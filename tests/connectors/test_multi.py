@@ -1,7 +1,13 @@
-"""multi: tiers in order; the longest prefix wins lookups, saves reach every tier, a failing tier is skipped."""
+"""multi: tiers in order; the longest prefix wins lookups, saves reach every tier, a failing tier is skipped.
+
+Tiers are registered store connectors, resolved through the container's registry.
+"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -9,15 +15,19 @@ from typing import Any
 import pytest
 import torch
 from kvdi_store_helpers import DictStore, Engine, make_settings, request, small_layout
+from registry_helpers import install_entry_point, write_module
 
 from kvdi.connectors.cpu_offload import HostPoolStore
 from kvdi.connectors.framing import HEADER_SIZE
 from kvdi.connectors.keys import block_keys
 from kvdi.connectors.multi import TieredStore, open_store
 from kvdi.connectors.shared_storage import FileBlockStore
-from kvdi.containers import build_engine_container
+from kvdi.containers import build_engine_container, build_kv_container, resolve_tiers
 from kvdi.errors import ConfigError
+from kvdi.registry import ConnectorRegistry
 from kvdi.settings import KvdiSettings, MultiSettings
+
+ROOT = Path(__file__).resolve().parents[2]
 
 LAYOUT = small_layout(block_size=4)
 FRAME = HEADER_SIZE + LAYOUT.block_bytes
@@ -29,9 +39,16 @@ def settings_for(tmp_path: Path, slots: int = 16) -> KvdiSettings:
     return make_settings(tmp_path / "kv", cpu_offload={"max_bytes": slots * FRAME})
 
 
+def open_tiered(options: MultiSettings, settings: KvdiSettings, registry: ConnectorRegistry | None = None) -> TieredStore:
+    """multi's backend as the container builds it: tiers resolved through a registry, then opened."""
+    reg = registry or ConnectorRegistry()
+    tiers = resolve_tiers(reg, reg.resolve("multi"), options, settings)
+    return open_store(options, LAYOUT, settings, tiers=tiers)
+
+
 @pytest.fixture
 def tiered(tmp_path: Path) -> Iterator[TieredStore]:
-    store = open_store(MultiSettings(), LAYOUT, settings_for(tmp_path))
+    store = open_tiered(MultiSettings(), settings_for(tmp_path))
     yield store
     store.close()
 
@@ -41,9 +58,118 @@ def test_tiers_are_built_in_order_from_their_own_settings(tiered: TieredStore) -
     assert isinstance(tiered.tiers[0][1], HostPoolStore) and isinstance(tiered.tiers[1][1], FileBlockStore)
 
 
-def test_unknown_tier_is_a_config_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="KVDI_MULTI__TIERS"):
-        open_store(MultiSettings(tiers=("no_such_tier",)), LAYOUT, settings_for(tmp_path))
+def test_a_misspelt_tier_is_a_config_error_with_did_you_mean(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        open_tiered(MultiSettings(tiers=("cpu_offload", "shared_storag")), settings_for(tmp_path))
+    assert str(err.value) == (
+        "KVDI_MULTI__TIERS names 'shared_storag', which is not a registered connector; "
+        "store connectors: cpu_offload, redis, shared_storage (did you mean 'shared_storage'?)"
+    )
+
+
+@pytest.mark.parametrize("tier", ["p2p", "null"])
+def test_a_connector_that_is_not_a_store_is_refused_at_build_time(kvdi_env: Path, tier: str) -> None:
+    with pytest.raises(ConfigError, match=f"KVDI_MULTI__TIERS names '{tier}', which is not a store connector"):
+        build_kv_container(kv_connector="multi", multi={"tiers": ["cpu_offload", tier]})
+
+
+def kvdi_check(env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.upper().startswith("KVDI_") and k != "VLLM_USE_V1"}
+    return subprocess.run(
+        [sys.executable, "-m", "kvdi.cli", "check"],
+        env={**base, "PYTHONPATH": str(ROOT), "KVDI_KV_CONNECTOR": "multi", **env},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("tiers", "message"),
+    [
+        ('["cpu_offload","p2p"]', "names 'p2p', which is not a store connector"),
+        ('["cpu_ofload"]', "names 'cpu_ofload', which is not a registered connector; store connectors: "
+                           "cpu_offload, redis, shared_storage (did you mean 'cpu_offload'?)"),
+    ],
+)  # fmt: skip
+def test_kvdi_check_refuses_a_bad_tier_with_one_line(tmp_path: Path, tiers: str, message: str) -> None:
+    r = kvdi_check({"KVDI_MULTI__TIERS": tiers}, tmp_path)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("kvdi: error: KVDI_MULTI__TIERS ")
+    assert message in r.stderr
+
+
+THIRD_PARTY_STORE = """
+from kvdi.registry import ConnectorSpec
+
+
+class MemoryStore:
+    \"\"\"A third-party BlockStore: a dict.\"\"\"
+
+    def __init__(self):
+        self.objects = {}
+
+    def count_prefix(self, keys):
+        n = 0
+        while n < len(keys) and keys[n] in self.objects:
+            n += 1
+        return n
+
+    def get_many(self, keys):
+        return [self.objects.get(k) for k in keys]
+
+    def put_many(self, items):
+        for key, pieces in items:
+            self.objects[key] = b"".join(bytes(p) for p in pieces)
+        return len(items)
+
+    def discard(self, key):
+        self.objects.pop(key, None)
+
+    def close(self):
+        self.objects.clear()
+
+
+def open_store(options, layout, settings):
+    return MemoryStore()
+
+
+SPEC = ConnectorSpec(
+    "memory",
+    "kvdi.connectors.store:StoreSchedulerConnector",
+    "kvdi.connectors.store:StoreWorkerConnector",
+    backend=__name__ + ":open_store",
+)
+"""
+
+
+def test_an_entry_point_store_connector_can_be_a_tier(
+    kvdi_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = write_module(tmp_path, THIRD_PARTY_STORE)
+    install_entry_point(tmp_path, "third_party_memory", module, "SPEC")
+    c = build_kv_container(
+        kv_connector="multi",
+        multi={"tiers": ["third_party_memory", "shared_storage"]},
+        shared_storage={"path": str(tmp_path / "kv")},
+    )
+    try:
+        assert [t.name for t in c.tiers()] == ["third_party_memory", "shared_storage"]
+        assert c.tiers()[0].connector.origin == "entry-point"
+        store = c.backend()
+        assert type(store.tiers[0][1]).__name__ == "MemoryStore" and isinstance(store.tiers[1][1], FileBlockStore)
+        Engine(store, LAYOUT, make_settings(), seed=1).prefill(PROMPT, (1, 2, 3, 4, 5))
+        assert [tier.count_prefix(KEYS) for _, tier in store.tiers] == [4, 4]
+    finally:
+        c.shutdown_resources()
+
+
+def test_put_many_returns_the_most_objects_any_tier_holds(tmp_path: Path) -> None:
+    (tmp_path / "broken").write_text("not a directory")
+    store = TieredStore([("dict", DictStore()), ("disk", FileBlockStore(tmp_path / "broken"))])
+    assert store.put_many([(KEYS[0], [b"a"]), (KEYS[1], [b"b"])]) == 2
 
 
 def test_saves_reach_every_tier(tiered: TieredStore) -> None:
