@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvdi-installed
 
-.PHONY: demo test lint test-unit test-vllm system-deps bench clean
+.PHONY: demo test lint test-unit test-vllm test-gpu system-deps bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,10 @@ test-unit: $(STAMP)
 
 test-vllm:
 	bash .ci/vllm-tests.sh
+
+# Needs an NVIDIA GPU: the `cuda` tests (allocator, pinned staging, device staging, NCCL p2p).
+test-gpu:
+	bash .ci/gpu-check.sh
 
 # redis-server is a real server the tests start on loopback; install it when we can (root + apt).
 system-deps:

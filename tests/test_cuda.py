@@ -1,0 +1,222 @@
+"""kvdi on a CUDA GPU: the allocator, pinned staging, the cpu_offload pinned pool, device caches
+staged through the store halves, and NCCL p2p between two GPUs.
+
+Every test here is marked ``cuda`` and skipped when torch sees no CUDA device; nothing here
+depends on the host lacking CUDA. ``.ci/gpu-check.sh`` runs exactly these
+(``pytest -m cuda``) on a machine with a GPU.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+from pathlib import Path
+from queue import Empty
+from typing import Any
+
+import pytest
+import torch
+
+from kvdi.allocator import GpuBufferAllocator
+from kvdi.connectors.base import KVRequest, ScheduledRequest, SchedulerOutput
+from kvdi.connectors.blockio import CacheIO
+from kvdi.containers import build_engine_container, build_kv_container
+from kvdi.layout import KVCacheSpec
+from kvdi.settings import AllocatorSettings
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SPEC = KVCacheSpec("m", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
+MODEL = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+         "intermediate_size": 128, "vocab_size": 256, "max_model_len": 512}  # fmt: skip
+
+
+def test_the_allocator_places_the_cache_on_cuda_and_plans_pinned_staging() -> None:
+    alloc = GpuBufferAllocator(SPEC, AllocatorSettings(device="cuda", num_blocks=5))
+    caches = alloc.allocate()
+    assert list(caches) == ["layers.0", "layers.1", "layers.2"]
+    assert all(t.is_cuda and t.shape == (5, 2, 4, 2, 8) and not t.any() for t in caches.values())
+    plan = alloc.plan()
+    assert (plan.device, plan.staging_bytes, plan.staging_pinned) == ("cuda", 64 * 768, True)
+    alloc.free()
+    assert alloc.kv_caches == {}
+
+
+def test_auto_picks_cuda_and_a_fraction_budget_reads_the_gpu_free_memory() -> None:
+    plan = GpuBufferAllocator(SPEC, AllocatorSettings(device="auto", memory_fraction=0.001)).plan()
+    _free, total = torch.cuda.mem_get_info()
+    assert plan.device == "cuda" and plan.num_blocks >= 1 and plan.budget_bytes <= total * 0.001
+    assert plan.budget_source.startswith("memory_fraction=0.001 of ")
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_host_staging_is_pinned_exactly_when_pin_memory_is_on(pin: bool) -> None:
+    alloc = GpuBufferAllocator(SPEC, AllocatorSettings(device="cuda", num_blocks=5, pin_memory=pin))
+    alloc.allocate()
+    host = alloc.staging(4096)
+    device = alloc.staging(2048, device="cuda", owner="p2p-receiver")
+    assert host.device.type == "cpu" and host.is_pinned() is pin
+    assert device.is_cuda and not device.is_pinned()
+    assert alloc.staging_nbytes == {"cpu": 4096, "cuda:0": 2048}
+    alloc.free()
+    assert alloc.staging_nbytes == {}
+
+
+def test_cacheio_round_trips_a_cuda_cache_through_the_allocators_pinned_staging() -> None:
+    src_alloc = GpuBufferAllocator(SPEC, AllocatorSettings(device="cuda", num_blocks=6))
+    dst_alloc = GpuBufferAllocator(SPEC, AllocatorSettings(device="cuda", num_blocks=6))
+    src_caches, dst_caches = src_alloc.allocate(), dst_alloc.allocate()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for t in src_caches.values():
+        t.copy_(torch.randn(t.shape, generator=gen, device="cuda", dtype=t.dtype))
+    src = CacheIO(list(src_caches.values()), SPEC.layer_block_bytes, chunk=2, buffers=src_alloc.staging)
+    dst = CacheIO(list(dst_caches.values()), SPEC.layer_block_bytes, chunk=2, buffers=dst_alloc.staging)
+    assert not src.direct and not dst.direct
+    assert [b.is_pinned() for b in (*src_alloc.staging_buffers, *dst_alloc.staging_buffers)] == [True, True]
+    payloads = [b"".join(bytes(p) for p in pieces) for pieces in src.save_pieces([1, 4])]
+    assert [len(p) for p in payloads] == [SPEC.block_bytes] * 2
+    for i, (block, payload) in enumerate(zip([0, 5], payloads, strict=True)):
+        offset = 0
+        for piece in dst.load_pieces(i, block):
+            piece[:] = payload[offset : offset + piece.nbytes]
+            offset += piece.nbytes
+        dst.commit_load(i, block)
+    dst.finish()
+    for name in src_caches:
+        assert torch.equal(dst_caches[name][[0, 5]], src_caches[name][[1, 4]])
+        assert not dst_caches[name][[1, 2, 3, 4]].any()
+
+
+def test_the_cpu_offload_pool_is_pinned_host_memory(kvdi_env: Path) -> None:
+    c = build_kv_container(kv_connector="cpu_offload", model=MODEL, cpu_offload={"max_bytes": 1 << 22})
+    try:
+        store = c.backend()
+        store.put_many([(b"k" * 16, [b"x" * 100])])
+        assert bytes(store.get_many([b"k" * 16])[0]) == b"x" * 100
+        pool = store._slots()  # the pool's one buffer (numpy view of the torch tensor owning it)
+        assert torch.from_numpy(pool).is_pinned()
+    finally:
+        c.shutdown_resources()
+
+
+def test_store_halves_stage_a_cuda_cache_through_shared_storage(kvdi_env: Path, tmp_path: Path) -> None:
+    common: dict[str, Any] = {
+        "allocator": {"device": "cuda", "num_blocks": 64, "block_size": 4},
+        "model": MODEL,
+        "shared_storage": {"path": str(tmp_path / "kv")},
+    }
+    prompts = [list(range(3, 40))]
+    containers = [
+        build_engine_container(kv_connector=c, **common) for c in ("null", "shared_storage", "shared_storage")
+    ]
+    try:
+        outputs = [c.engine().generate(prompts, 3)[0] for c in containers]
+        loader = containers[2].alloc.allocator()
+        assert loader.staging_nbytes.get("cpu", 0) > 0 and all(b.is_pinned() for b in loader.staging_buffers)
+    finally:
+        for c in containers:
+            c.shutdown_resources()
+    assert outputs[0].output_token_ids == outputs[1].output_token_ids == outputs[2].output_token_ids
+    assert (outputs[1].num_loaded_tokens, outputs[2].num_loaded_tokens) == (0, 36)
+
+
+# -- NCCL p2p between two GPUs (one process per GPU) ------------------------------------------
+PROMPT = KVRequest("req-1", tuple(range(13)))  # block size 4: 3 loadable blocks
+PRODUCER_BLOCKS, CONSUMER_BLOCKS, LOADED = (5, 6, 7, 8), (1, 2, 3, 4), 3
+WAIT_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _p2p_container(role: str, port: int) -> Any:
+    gpu = 0 if role == "kv_producer" else 1
+    torch.cuda.set_device(gpu)
+    return build_kv_container(
+        kv_connector="p2p",
+        kv_role=role,
+        p2p={"kv_port": port, "kv_rank": gpu, "backend": "nccl", "timeout_s": 30.0},
+        model={"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "hidden_size": 32},
+        allocator={"device": f"cuda:{gpu}", "num_blocks": 16, "block_size": 4},
+    )
+
+
+def _caches(layout: Any, seed: int, device: str) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn((16, *layout.block_shape), generator=gen).to(device) for n in layout.layer_names}
+
+
+def _step(blocks: tuple[int, ...], computed: int) -> SchedulerOutput:
+    return SchedulerOutput(1, (ScheduledRequest(PROMPT, blocks, computed, len(PROMPT.prompt_token_ids) - computed),))
+
+
+def _producer(port: int, out: Any, published: Any, done: Any) -> None:
+    try:
+        c = _p2p_container("kv_producer", port)
+        sched, worker = c.scheduler_connector(), c.worker_connector()
+        worker.register_kv_caches(_caches(c.layout(), 1, "cuda:0"))
+        sched.update_state_after_alloc(PROMPT, PRODUCER_BLOCKS, sched.get_num_new_matched_tokens(PROMPT, 0)[0])
+        worker.bind_connector_metadata(sched.build_connector_meta(_step(PRODUCER_BLOCKS, 0)))
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        published.set()
+        done.wait(WAIT_S)
+        c.shutdown_resources()
+    except Exception as exc:
+        out.put(("producer_error", f"{type(exc).__name__}: {exc}"))
+
+
+def _consumer(port: int, out: Any, published: Any, done: Any) -> None:
+    try:
+        c = _p2p_container("kv_consumer", port)
+        sched, worker = c.scheduler_connector(), c.worker_connector()
+        caches = _caches(c.layout(), 2, "cuda:1")
+        worker.register_kv_caches(caches)
+        published.wait(WAIT_S)
+        matched = sched.get_num_new_matched_tokens(PROMPT, 0)[0]
+        sched.update_state_after_alloc(PROMPT, CONSUMER_BLOCKS, matched)
+        worker.bind_connector_metadata(sched.build_connector_meta(_step(CONSUMER_BLOCKS, matched)))
+        worker.start_load_kv()
+        errors = sorted(worker.get_block_ids_with_load_errors())
+        worker.clear_connector_metadata()
+        expected = _caches(c.layout(), 1, "cuda:1")
+        same = all(
+            torch.equal(caches[n][list(CONSUMER_BLOCKS[:LOADED])], expected[n][list(PRODUCER_BLOCKS[:LOADED])])
+            for n in caches
+        )
+        out.put(("loaded", (matched, errors, same)))
+        done.set()
+        c.shutdown_resources()
+    except Exception as exc:
+        out.put(("consumer_error", f"{type(exc).__name__}: {exc}"))
+        done.set()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL p2p needs two GPUs (one per process)")
+def test_nccl_p2p_moves_blocks_from_one_gpu_to_another(kvdi_env: Path) -> None:
+    ctx = mp.get_context("spawn")
+    port, out, published, done = _free_port(), ctx.Queue(), ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=f, args=(port, out, published, done), daemon=True) for f in (_producer, _consumer)]
+    for p in procs:
+        p.start()
+    reports: dict[str, Any] = {}
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while "loaded" not in reports:
+            try:
+                key, value = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Empty:
+                pytest.fail(f"no load report within {WAIT_S}s (got {reports})")
+            assert not key.endswith("_error"), f"{key}: {value}"
+            reports[key] = value
+    finally:
+        for p in procs:
+            p.join(WAIT_S)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert reports["loaded"] == (LOADED * 4, [], True)
