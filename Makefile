@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/kvdi demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvdi tests benchmarks containers
+	$(BIN)/ruff check kvdi tests containers
 	$(BIN)/mypy
 
 test-unit: $(STAMP)

@@ -21,8 +21,8 @@ SPEC = KVCacheSpec("m", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, 
 def test_plan_counts_blocks_and_bytes_without_allocating() -> None:
     alloc = GpuBufferAllocator(SPEC, AllocatorSettings(device="cpu", num_blocks=10))
     plan = alloc.plan()
-    assert (plan.device, plan.num_blocks, plan.block_bytes) == ("cpu", 10, 3 * 2 * 4 * 2 * 8 * 2)
-    assert plan.total_bytes == 10 * plan.block_bytes
+    # one block: 3 layers x (K, V) x 4 tokens x 2 heads x 8 dims x 2 bytes (float16) = 768 B
+    assert (plan.device, plan.num_blocks, plan.block_bytes, plan.total_bytes) == ("cpu", 10, 768, 7680)
     assert alloc.kv_caches == {}
 
 

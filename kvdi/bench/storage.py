@@ -30,16 +30,13 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvdi.bench import BenchResult
 from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, WorkerConnector, run_transfer_step
 from kvdi.connectors.framing import HEADER_SIZE
 from kvdi.connectors.keys import block_keys
 from kvdi.containers import build_kv_container
-
-if TYPE_CHECKING:
-    pass
 
 BLOCK_SIZE = 16
 BLOCKS_PER_REQUEST = 16

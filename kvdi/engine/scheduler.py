@@ -199,9 +199,6 @@ class Scheduler:
         """True while finished requests' blocks wait for the worker connector (``delay_free``)."""
         return bool(self._delayed_free)
 
-    def get_request(self, request_id: str) -> Request:
-        return self._requests[request_id]
-
     def pop_finished(self, request_ids: Iterable[str]) -> list[Request]:
         """Forget finished requests and return them (the engine's last look)."""
         return [self._requests.pop(rid) for rid in request_ids]
