@@ -165,7 +165,8 @@ def test_unknown_key_in_toml_file_is_rejected(kvdi_env: Path, monkeypatch: pytes
     monkeypatch.setenv("KVDI_SETTINGS_FILE", str(path))
     with pytest.raises(
         ConfigError,
-        match=r"allocator.blok_size \(KVDI_ALLOCATOR__BLOK_SIZE\): unknown setting.*did you mean 'block_size'",
+        match=r"allocator.blok_size \(KVDI_SETTINGS_FILE='.*p\.toml' key allocator\.blok_size\): unknown setting"
+        r".*did you mean 'block_size'",
     ):
         load_settings()
 
