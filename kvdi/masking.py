@@ -77,7 +77,7 @@ def mask_url(url: str) -> str:
     if match is None:
         return url
     head, rest = match.group(0), url[match.end() :]
-    if "@" in rest:
+    if "@" in rest and not _ats_inside_secret_query(rest):
         userinfo, _, rest = rest.rpartition("@")
         user, colon, _password = userinfo.partition(":")
         if any(ch in user for ch in "/?#&="):
@@ -98,12 +98,32 @@ def mask_text(text: str) -> str:
     return _URL_IN_TEXT_RE.sub(lambda m: mask_url(m.group(0)), text)
 
 
-def _mask_query(query: str) -> str:
-    # The fragment is not split off: a '#' may belong to a secret value and is then hidden with it.
-    parts = []
+def _ats_inside_secret_query(rest: str) -> bool:
+    """True when every '@' of ``rest`` sits after a secret query parameter's '=' (``?token=a@b``), not in a userinfo."""
+    location, question, query = rest.partition("?")
+    if not question or "@" in location:
+        return False
+    pos = 0
     for param in query.split("&"):
         key, equals, _value = param.partition("=")
-        parts.append(f"{key}={MASK}" if equals and is_secret_key(key) else param)
+        if equals and is_secret_key(key):
+            return "@" not in query[: pos + len(key)]
+        pos += len(param) + 1
+    return False
+
+
+def _mask_query(query: str) -> str:
+    # The fragment is not split off: a '#' may belong to a secret value and is then hidden with it.
+    # A '#' inside a secret value makes the rest ambiguous (fragment or more secret): hide all of it.
+    parts = []
+    for param in query.split("&"):
+        key, equals, value = param.partition("=")
+        if equals and is_secret_key(key):
+            parts.append(f"{key}={MASK}")
+            if "#" in value:
+                break
+        else:
+            parts.append(param)
     return "&".join(parts)
 
 
