@@ -46,13 +46,15 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _within_memory(value: int) -> int:
+def within_physical_memory(value: int) -> int:
+    """``value`` when it is at most :func:`physical_memory_bytes`; else ValueError (use in a field validator)."""
     if value > (limit := physical_memory_bytes()):
         raise ValueError(f"must be at most this machine's physical memory ({limit} B)")
     return value
 
 
-def _duration(default: float) -> float:
+def duration_field(default: float) -> float:
+    """A pydantic ``Field`` for a duration in seconds: finite, > 0, at most :data:`MAX_DURATION_S`."""
     return Field(default, gt=0, le=MAX_DURATION_S, allow_inf_nan=False)
 
 
@@ -145,7 +147,7 @@ class CpuOffloadSettings(_Section):
     @field_validator("max_bytes")
     @classmethod
     def _memory(cls, value: int) -> int:
-        return _within_memory(value)
+        return within_physical_memory(value)
 
 
 class RedisSettings(_Section):
@@ -154,10 +156,10 @@ class RedisSettings(_Section):
     url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
     key_prefix: str = Field("kvdi:", max_length=1024)
     ttl_s: int | None = Field(None, gt=0, le=MAX_REDIS_TTL_S)
-    connect_timeout_s: float = _duration(1.0)
-    op_timeout_s: float = _duration(2.0)
+    connect_timeout_s: float = duration_field(1.0)
+    op_timeout_s: float = duration_field(2.0)
     breaker_failures: int = Field(3, gt=0, le=1_000_000)
-    breaker_reset_s: float = _duration(5.0)
+    breaker_reset_s: float = duration_field(5.0)
 
     @field_validator("url")
     @classmethod
@@ -191,15 +193,15 @@ class P2pSettings(_Section):
     kv_rank: int = Field(0, ge=0, lt=1 << 16)
     kv_parallel_size: int = Field(2, gt=1, le=1 << 16)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    timeout_s: float = _duration(30.0)
-    connect_timeout_s: float = _duration(60.0)
-    hold_s: float = _duration(60.0)
+    timeout_s: float = duration_field(30.0)
+    connect_timeout_s: float = duration_field(60.0)
+    hold_s: float = duration_field(60.0)
     max_held_bytes: int = Field(1 << 30, gt=0)
 
     @field_validator("max_held_bytes")
     @classmethod
     def _memory(cls, value: int) -> int:
-        return _within_memory(value)
+        return within_physical_memory(value)
 
 
 __all__ = [
@@ -220,5 +222,7 @@ __all__ = [
     "SchedulerSettings",
     "SharedStorageSettings",
     "default_cache_dir",
+    "duration_field",
     "physical_memory_bytes",
+    "within_physical_memory",
 ]
