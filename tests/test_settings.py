@@ -6,9 +6,17 @@ import re
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel, Field, SecretStr, ValidationError
 
 from kvdi.errors import ConfigError
-from kvdi.settings import NON_SETTING_ENV_VARS, load_settings, value_sources
+from kvdi.settings import (
+    NON_SETTING_ENV_VARS,
+    describe_validation_error,
+    flatten,
+    load_settings,
+    nesting_depth,
+    value_sources,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = sorted((ROOT / "settings").glob("*.toml"))
@@ -321,3 +329,25 @@ def test_value_sources_name_the_transfer_config_env(kvdi_env: Path, monkeypatch:
     monkeypatch.setenv("KVDI_KV_TRANSFER_CONFIG", '{"kv_port": 15000}')
     assert value_sources()["p2p.kv_port"] == "env"
     assert load_settings().p2p.kv_port == 15000
+
+
+def test_any_secretstr_field_error_shows_stars_not_its_input() -> None:
+    """Not only redis.url: every SecretStr field (optional ones too) hides its input in error messages."""
+
+    class WithSecret(BaseModel):
+        blob: SecretStr | None = Field(None, min_length=20)
+
+    with pytest.raises(ValidationError) as info:
+        WithSecret(blob="short-but-secret")
+    text = describe_validation_error(info.value, model=WithSecret)
+    assert "blob (KVDI_BLOB=***)" in text and "short-but-secret" not in text
+
+
+def test_flatten_keeps_extra_config_whole_and_survives_depth() -> None:
+    data = {"a": {"b": 1, "c": {}}, "kv_connector_extra_config": {"x": {"y": 2}}}
+    assert flatten(data) == [("a.b", 1), ("a.c", {}), ("kv_connector_extra_config", {"x": {"y": 2}})]
+    deep: dict[str, object] = {}
+    node = deep
+    for _ in range(5000):
+        node["k"] = node = {}
+    assert len(flatten(deep)) == 1 and nesting_depth(deep) == 33
