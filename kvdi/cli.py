@@ -9,16 +9,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import re
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvdi.errors import ConfigError, KvdiError, did_you_mean
 
 EXIT_USAGE = 2
 BENCHES = ("resolution", "storage", "redis", "ttft", "p2p")
-_SECRET_KEY = re.compile(r"(^|_)(password|passwd|secret|token|api_key|credentials?)$", re.IGNORECASE)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     conns = sub.add_parser("connectors", help="registered connectors and whether their dependencies are installed")
     conns.add_argument("--json", action="store_true", help="print JSON")
     conns.set_defaults(func=cmd_connectors)
-    check = sub.add_parser("check", help="validate settings, connector and allocation plan; exit 0 or 2")
+    check = sub.add_parser(
+        "check", help="validate settings, connector and allocation plan, open and probe the backend; exit 0 or 2"
+    )
     check.set_defaults(func=cmd_check)
     demo = sub.add_parser(
         "demo", help="producer/consumer engines on the embedded default; the main job", add_help=False
@@ -66,26 +66,6 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def mask(path: str, value: Any) -> Any:
-    """Hide secrets: SecretStr values, keys that look secret, and passwords inside URLs."""
-    if _SECRET_KEY.search(path.rsplit(".", 1)[-1]) and value not in (None, ""):
-        return "**********"
-    if isinstance(value, Mapping):
-        return {k: mask(f"{path}.{k}", v) for k, v in value.items()}
-    if isinstance(value, str):
-        return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", value)
-    return value
-
-
-def _leaves(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value and key != "kv_connector_extra_config":
-            yield from _leaves(value, path + ".")
-        else:
-            yield path, value
-
-
 def _source_of(path: str, sources: Mapping[str, str]) -> str:
     while path:
         if path in sources:
@@ -96,14 +76,19 @@ def _source_of(path: str, sources: Mapping[str, str]) -> str:
 
 def describe(container_overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Everything ``kvdi info`` shows, as a dict: settings with sources, connector, plan."""
+    from pydantic_core import to_jsonable_python
+
     from kvdi.containers import build_engine_container
-    from kvdi.settings import load_settings, value_sources
+    from kvdi.masking import mask_value
+    from kvdi.settings import flatten, load_settings, value_sources
 
     overrides = dict(container_overrides or {})
     settings = load_settings(**overrides)
     sources = value_sources(**overrides)
-    dumped = settings.model_dump(mode="json")
-    rows = [{"setting": p, "value": mask(p, v), "source": _source_of(p, sources)} for p, v in _leaves(dumped)]
+    rows = [
+        {"setting": p, "value": to_jsonable_python(mask_value(p, v)), "source": _source_of(p, sources)}
+        for p, v in flatten(settings.model_dump())
+    ]
     container = build_engine_container(settings)
     resolved = container.kv.connector()
     plan = container.alloc.plan()
@@ -193,14 +178,63 @@ def cmd_connectors(args: argparse.Namespace, _rest: list[str]) -> int:
 
 
 def cmd_check(_args: argparse.Namespace, _rest: list[str]) -> int:
-    """Validate everything a container needs; print one ok line."""
-    info = describe()
-    plan = info["allocation_plan"]
+    """Validate settings, connector and allocation plan, then open, probe and close the backend; print one ok line."""
+    from kvdi.containers import build_engine_container
+    from kvdi.settings import load_settings
+
+    settings = load_settings()
+    container = build_engine_container(settings)
+    resolved = container.kv.connector()
+    plan = container.alloc.plan()
+    _require_plan_fits(plan, settings.allocator.num_blocks)
+    summary = _probe_backend(container, resolved.spec.name)
     print(
-        f"ok: connector {info['connector']['name']} ({info['connector']['origin']}), "
-        f"{plan['num_blocks']} KV blocks on {plan['device']}"
+        f"ok: connector {resolved.spec.name} ({resolved.origin}), {plan.num_blocks} KV blocks on {plan.device}; "
+        f"backend: {_one_line(summary)}"
     )
     return 0
+
+
+def _require_plan_fits(plan: Any, num_blocks: int | None) -> None:
+    """AllocationError when the planned cache (and staging) exceeds the free memory of its device."""
+    from kvdi.allocator import free_memory_bytes
+    from kvdi.errors import AllocationError
+
+    needed = plan.total_bytes + plan.staging_bytes
+    free = free_memory_bytes(plan.device)
+    if needed > free:
+        fix = f"lower KVDI_ALLOCATOR__NUM_BLOCKS (allocator.num_blocks={num_blocks})" if num_blocks else (
+            "lower KVDI_ALLOCATOR__MEMORY_FRACTION"
+        )
+        raise AllocationError(
+            f"the KV cache plan needs {needed} B ({plan.num_blocks} blocks x {plan.block_bytes} B) but only "
+            f"{free} B are free on {plan.device}; {fix}"
+        )
+
+
+def _probe_backend(container: Any, name: str) -> str:
+    """Open the selected connector's backend, call its optional ``check()``, shut it down; the summary line.
+
+    A p2p backend waits for its peer here (up to ``KVDI_P2P__CONNECT_TIMEOUT_S``). Failures that
+    are not KvdiErrors become :class:`~kvdi.errors.BackendUnavailableError` with URLs masked.
+    """
+    from kvdi.errors import BackendUnavailableError
+    from kvdi.masking import mask_text
+
+    try:
+        backend = container.kv.backend()
+        if backend is None:
+            return "none (this connector has no shared backend)"
+        check = getattr(backend, "check", None)
+        return str(check()) if callable(check) else f"{type(backend).__name__} opened"
+    except KvdiError:
+        raise
+    except Exception as exc:
+        raise BackendUnavailableError(
+            f"connector {name!r}: backend cannot be opened: {type(exc).__name__}: {mask_text(str(exc))}"
+        ) from None
+    finally:
+        container.shutdown_resources()
 
 
 def cmd_demo(_args: argparse.Namespace, rest: list[str]) -> int:

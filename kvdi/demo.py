@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvdi.errors import KvdiError
+from kvdi.masking import mask_text
 
 if TYPE_CHECKING:
     from kvdi.engine.engine import EngineConnectorStats, RequestOutput
@@ -87,10 +88,10 @@ def run_demo(options: DemoOptions, **overrides: Any) -> int:
             with tempfile.TemporaryDirectory(prefix="kvdi-demo-") as tmp:
                 report = measure(options, Path(tmp), overrides)
     except KvdiError as exc:
-        print(f"kvdi demo: {exc}")
+        print(f"kvdi demo: {mask_text(str(exc))}")
         return 2
     if options.json:
-        print(json.dumps(report.as_dict()))
+        print(mask_text(json.dumps(report.as_dict())))
     else:
         print_report(report)
     return 0 if report.ok else 1
@@ -208,7 +209,7 @@ def print_report(report: DemoReport) -> None:
     console = Console()
     console.print(table)
     for error in report.errors:
-        console.print(f"[red]error:[/red] {error}")
+        console.print(f"[red]error:[/red] {mask_text(error)}")
     if report.loaded_tokens == 0:
         console.print(
             f"[yellow]nothing was loaded:[/yellow] the consumer engine did not find the producer's KV through "

@@ -72,5 +72,9 @@ class AllocationError(KvdiError):
     """The KV cache budget cannot be met; the message carries the numbers."""
 
 
+class BackendUnavailableError(KvdiError):
+    """The selected connector's backend cannot serve: store folder not writable, server unreachable..."""
+
+
 class KVLoadError(KvdiError):
     """Loading external KV failed and ``kv_load_failure_policy`` is ``fail``."""

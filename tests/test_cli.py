@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def kvdi(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``kvdi`` in a clean environment (no inherited KVDI_*/VLLM_USE_V1) plus ``env``."""
     base = {k: v for k, v in os.environ.items() if not k.upper().startswith("KVDI_") and k != "VLLM_USE_V1"}
+    # The kvdi of this checkout, not whichever one is installed.
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), base.get("PYTHONPATH", "")) if p)
     return subprocess.run(
         [sys.executable, "-m", "kvdi.cli", *args],
         env={**base, **(env or {})},
@@ -115,3 +119,140 @@ def test_connectors_table_is_printed(tmp_path: Path) -> None:
 def test_unknown_benchmark_is_a_usage_error(tmp_path: Path) -> None:
     r = kvdi("bench", "storag", cwd=tmp_path)
     assert r.returncode == 2 and "did you mean 'storage'" in r.stderr
+
+
+def _deep_toml(tmp_path: Path) -> str:
+    path = tmp_path / "deep.toml"
+    path.write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    return str(path)
+
+
+def _nul_toml(tmp_path: Path) -> str:
+    path = tmp_path / "nul.toml"
+    path.write_text('[shared_storage]\npath = "/tmp/kv\\u0000x"\n')
+    return str(path)
+
+
+def _a_file(tmp_path: Path) -> str:
+    path = tmp_path / "a-file"
+    path.write_text("not a folder")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("make_env", "named"),
+    [
+        (lambda t: {"KVDI_ALLOCATOR__NUM_BLOCKS": "1e15"}, "KVDI_ALLOCATOR__NUM_BLOCKS='1e15'"),
+        (lambda t: {"KVDI_ALLOCATOR__NUM_BLOCKS": "2000000000"}, "KVDI_ALLOCATOR__NUM_BLOCKS"),
+        (lambda t: {"KVDI_CPU_OFFLOAD__MAX_BYTES": "1e18"}, "KVDI_CPU_OFFLOAD__MAX_BYTES='1e18'"),
+        (lambda t: {"KVDI_CPU_OFFLOAD__MAX_BYTES": str(10**18)}, "KVDI_CPU_OFFLOAD__MAX_BYTES"),
+        (lambda t: {"KVDI_REDIS__TTL_S": "9223372036854775808"}, "KVDI_REDIS__TTL_S='9223372036854775808'"),
+        (lambda t: {"KVDI_REDIS__OP_TIMEOUT_S": "1e300"}, "KVDI_REDIS__OP_TIMEOUT_S='1e300'"),
+        (lambda t: {"KVDI_P2P__TIMEOUT_S": "inf"}, "KVDI_P2P__TIMEOUT_S='inf'"),
+        (lambda t: {"KVDI_SHARED_STORAGE__PATH": _a_file(t)}, "KVDI_SHARED_STORAGE__PATH="),
+        (lambda t: {"KVDI_SHARED_STORAGE__PATH": "/proc/kvdi"}, "KVDI_SHARED_STORAGE__PATH='/proc/kvdi'"),
+        (lambda t: {"KVDI_SETTINGS_FILE": _nul_toml(t)}, "KVDI_SETTINGS_FILE="),
+        (lambda t: {"KVDI_SETTINGS_FILE": _deep_toml(t)}, "KVDI_SETTINGS_FILE="),
+        (
+            lambda t: {"KVDI_KV_TRANSFER_CONFIG": '{"kv_connector_extra_config": ' + "[" * 5000 + "]" * 5000 + "}"},
+            "KVDI_KV_TRANSFER_CONFIG is nested deeper",
+        ),
+        (lambda t: {"KVDI_KV_TRANSFER_CONFIG": '{"kv_port": 70000}'}, "KVDI_KV_TRANSFER_CONFIG key kv_port=70000"),
+    ],
+    ids=[
+        "num-blocks-float",
+        "num-blocks-over-memory",
+        "cpu-offload-float",
+        "cpu-offload-over-ram",
+        "redis-ttl",
+        "redis-op-timeout",
+        "p2p-timeout-inf",
+        "store-path-file",
+        "store-path-proc",
+        "store-path-nul",
+        "deep-toml",
+        "deep-json",
+        "transfer-config-port",
+    ],
+)
+def test_check_refuses_absurd_settings_in_one_line(tmp_path: Path, make_env: Any, named: str) -> None:
+    """Each absurd setting: exit 2, one line on stderr naming the variable the user set, no traceback."""
+    r = kvdi("check", env={"XDG_CACHE_HOME": str(tmp_path / "cache"), **make_env(tmp_path)}, cwd=tmp_path)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert len(lines) == 1 and lines[0].startswith("kvdi: error: "), r.stderr
+    assert named in lines[0]
+    assert "KVDI_P2P__KV_PORT" not in lines[0]
+
+
+def test_check_opens_and_probes_the_shared_storage_backend(tmp_path: Path) -> None:
+    r = kvdi("check", env={"KVDI_SHARED_STORAGE__PATH": str(tmp_path / "kv"), "KVDI_ALLOCATOR__NUM_BLOCKS": "4"}, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ok: connector shared_storage (builtin), 4 KV blocks on") and "backend: " in r.stdout
+    assert (tmp_path / "kv").is_dir()
+
+
+def test_check_fails_when_the_store_folder_cannot_be_created(tmp_path: Path) -> None:
+    """A path below a regular file passes validation (nothing exists yet) but the backend cannot open it."""
+    r = kvdi("check", env={"KVDI_SHARED_STORAGE__PATH": str(Path(_a_file(tmp_path)) / "kv")}, cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "KVDI_SHARED_STORAGE__PATH=" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_check_opens_every_tier_of_multi(tmp_path: Path) -> None:
+    """multi resolves and opens all its tiers: a broken second tier fails the check."""
+    env = {
+        "KVDI_KV_CONNECTOR": "multi",
+        "KVDI_MULTI__TIERS": '["cpu_offload", "shared_storage"]',
+        "KVDI_SHARED_STORAGE__PATH": str(Path(_a_file(tmp_path)) / "kv"),
+    }
+    r = kvdi("check", env=env, cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "KVDI_SHARED_STORAGE__PATH=" in r.stderr
+
+
+def test_check_fails_on_an_unreachable_redis_with_a_masked_url(tmp_path: Path) -> None:
+    from kvdi.connectors.redis import RedisBlockStore
+
+    if not hasattr(RedisBlockStore, "check"):
+        pytest.skip("RedisBlockStore.check() (contract 3) is the redis helper's; not in this branch yet")
+    with socket.socket() as sock:  # a loopback port with nobody listening
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"KVDI_KV_CONNECTOR": "redis", "KVDI_REDIS__URL": f"redis://:pa/ss#wd@127.0.0.1:{port}/0"}
+    r = kvdi("check", env=env, cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "pa/ss" not in r.stderr and "ss#wd" not in r.stderr
+
+
+def test_info_masks_extra_config_secret_keys_and_odd_passwords(tmp_path: Path) -> None:
+    extra = {
+        "password": "s3cret-a",
+        "token": "s3cret-b",
+        "auth": "s3cret-c",
+        "api_key": "s3cret-d",
+        "access_key": "s3cret-e",
+        "secret": "s3cret-f",
+        "nested": {"url": "redis://u:s3cret/g#h@host:1/0?password=s3cret-i"},
+        "visible": "plain-value",
+    }
+    env = {
+        "KVDI_KV_CONNECTOR": "null",
+        "KVDI_REDIS__URL": "redis://:s3cret/j#k@127.0.0.1:1/0",
+        "KVDI_KV_CONNECTOR_EXTRA_CONFIG": json.dumps(extra),
+    }
+    r = kvdi("info", "--json", env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "s3cret" not in r.stdout
+    rows = {row["setting"]: row["value"] for row in json.loads(r.stdout)["settings"]}
+    assert rows["redis.url"] == "redis://:***@127.0.0.1:1/0"
+    assert rows["kv_connector_extra_config"]["visible"] == "plain-value"
+    assert rows["kv_connector_extra_config"]["nested"]["url"] == "redis://u:***@host:1/0?password=***"
+
+
+def test_demo_never_prints_a_redis_password_with_slash_or_hash(tmp_path: Path) -> None:
+    env = {"KVDI_KV_CONNECTOR": "redis", "KVDI_REDIS__URL": "redis://:pa/ss#wd@127.0.0.1:1/0"}
+    r = kvdi("demo", "--prompts", "1", "--prompt-len", "16", "--new-tokens", "1", env=env, cwd=tmp_path)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "redis://:***@127.0.0.1:1/0" in r.stdout
+    assert "pa/ss" not in r.stdout + r.stderr and "ss#wd" not in r.stdout + r.stderr

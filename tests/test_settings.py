@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel, Field, SecretStr, ValidationError
 
 from kvdi.errors import ConfigError
-from kvdi.settings import load_settings, value_sources
+from kvdi.settings import (
+    NON_SETTING_ENV_VARS,
+    describe_validation_error,
+    flatten,
+    load_settings,
+    nesting_depth,
+    value_sources,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = sorted((ROOT / "settings").glob("*.toml"))
@@ -165,7 +174,8 @@ def test_unknown_key_in_toml_file_is_rejected(kvdi_env: Path, monkeypatch: pytes
     monkeypatch.setenv("KVDI_SETTINGS_FILE", str(path))
     with pytest.raises(
         ConfigError,
-        match=r"allocator.blok_size \(KVDI_ALLOCATOR__BLOK_SIZE\): unknown setting.*did you mean 'block_size'",
+        match=r"allocator.blok_size \(KVDI_SETTINGS_FILE='.*p\.toml' key allocator\.blok_size\): unknown setting"
+        r".*did you mean 'block_size'",
     ):
         load_settings()
 
@@ -200,3 +210,144 @@ def test_redis_password_never_appears_in_repr(kvdi_env: Path, monkeypatch: pytes
 def test_redis_url_scheme_is_validated(kvdi_env: Path) -> None:
     with pytest.raises(ConfigError, match="KVDI_REDIS__URL.*redis://, rediss:// or unix://"):
         load_settings(redis={"url": "http://127.0.0.1"})
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "expected"),
+    [
+        ("KVDI_ALLOCATOR__NUM_BLOCKS", "1e15", "valid integer"),
+        ("KVDI_ALLOCATOR__NUM_BLOCKS", str(2**31), "less than or equal to 2147483647"),
+        ("KVDI_CPU_OFFLOAD__MAX_BYTES", "1e18", "valid integer"),
+        ("KVDI_CPU_OFFLOAD__MAX_BYTES", str(10**18), "physical memory"),
+        ("KVDI_P2P__MAX_HELD_BYTES", str(10**18), "physical memory"),
+        ("KVDI_REDIS__TTL_S", "9223372036854775808", "less than or equal to 2147483647"),
+        ("KVDI_REDIS__OP_TIMEOUT_S", "1e300", "less than or equal to 86400"),
+        ("KVDI_REDIS__CONNECT_TIMEOUT_S", "nan", "finite number"),
+        ("KVDI_P2P__TIMEOUT_S", "inf", "finite number"),
+        ("KVDI_P2P__HOLD_S", "-inf", "finite number"),
+        ("KVDI_SHARED_STORAGE__PATH", "/proc/self/kv", "kernel file system"),
+        ("KVDI_SHARED_STORAGE__MAX_BYTES", str(2**63), "less than or equal to"),
+        ("KVDI_MODEL__NUM_LAYERS", "100000", "less than or equal to 1024"),
+        ("KVDI_SCHEDULER__MAX_NUM_SEQS", str(2**40), "less than or equal to"),
+    ],
+)
+def test_absurd_numbers_and_paths_are_refused_naming_the_variable(
+    kvdi_env: Path, monkeypatch: pytest.MonkeyPatch, var: str, value: str, expected: str
+) -> None:
+    """Every number has an upper bound (finite durations, Redis' TTL, the machine's memory)."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=rf"\({var}='{re.escape(value)}'\): .*{expected}"):
+        load_settings()
+
+
+def test_a_store_path_that_is_a_file_is_refused(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (kvdi_env / "file").write_text("x")
+    monkeypatch.setenv("KVDI_SHARED_STORAGE__PATH", str(kvdi_env / "file"))
+    with pytest.raises(ConfigError, match="KVDI_SHARED_STORAGE__PATH=.*exists and is not a directory"):
+        load_settings()
+
+
+def test_a_store_path_with_nul_is_refused_from_a_toml_file(
+    kvdi_env: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The environment cannot carry NUL, a TOML string can; the error names the file."""
+    path = tmp_path / "p.toml"
+    path.write_text('[shared_storage]\npath = "/tmp/a\\u0000b"\n')
+    monkeypatch.setenv("KVDI_SETTINGS_FILE", str(path))
+    with pytest.raises(ConfigError, match=r"KVDI_SETTINGS_FILE='.*p\.toml' key shared_storage\.path=.*NUL"):
+        load_settings()
+
+
+def test_a_bad_port_in_transfer_config_is_blamed_on_that_variable(
+    kvdi_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVDI_KV_TRANSFER_CONFIG", '{"kv_port": 70000}')
+    with pytest.raises(ConfigError, match=r"p2p\.kv_port \(KVDI_KV_TRANSFER_CONFIG key kv_port=70000\)") as info:
+        load_settings()
+    assert "KVDI_P2P__KV_PORT" not in str(info.value)
+
+
+def test_a_section_json_env_var_is_blamed_with_its_key(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVDI_P2P", '{"timeout_s": 1e300}')
+    with pytest.raises(ConfigError, match=r"p2p\.timeout_s \(KVDI_P2P key timeout_s=1e\+300\)"):
+        load_settings()
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["a = " + "[" * 5000 + "]" * 5000, "x." * 5000 + "y = 1", "[kv_connector_extra_config]\na = " + "[" * 40 + "]" * 40],
+    ids=["arrays", "dotted-keys", "extra-config"],
+)
+def test_deeply_nested_toml_is_a_config_error(
+    kvdi_env: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str
+) -> None:
+    path = tmp_path / "deep.toml"
+    path.write_text(text + "\n")
+    monkeypatch.setenv("KVDI_SETTINGS_FILE", str(path))
+    with pytest.raises(ConfigError, match="KVDI_SETTINGS_FILE=.*nested deeper than 32 levels"):
+        load_settings()
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("KVDI_KV_TRANSFER_CONFIG", '{"kv_connector_extra_config": ' + "[" * 5000 + "]" * 5000 + "}"),
+        ("KVDI_KV_TRANSFER_CONFIG", '{"kv_connector_extra_config": {"a": ' + "[" * 40 + "]" * 40 + "}}"),
+        ("KVDI_KV_CONNECTOR_EXTRA_CONFIG", '{"a": ' + "[" * 5000 + "]" * 5000 + "}"),
+    ],
+    ids=["transfer-config-recursion", "transfer-config-depth", "extra-config-env"],
+)
+def test_deeply_nested_json_is_a_config_error(
+    kvdi_env: Path, monkeypatch: pytest.MonkeyPatch, var: str, value: str
+) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=f"{var}.*nested deeper than 32 levels"):
+        load_settings()
+
+
+def test_kvdi_test_redis_server_is_not_taken_for_a_setting(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvdi's own test variable is on the documented allow-list of non-setting KVDI_ variables."""
+    monkeypatch.setenv("KVDI_TEST_REDIS_SERVER", "/usr/bin/redis-server")
+    assert load_settings().kv_connector == "shared_storage"
+    assert "KVDI_TEST_REDIS_SERVER" in NON_SETTING_ENV_VARS
+
+
+def test_a_secret_fields_input_is_never_echoed(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVDI_REDIS__URL", "http://h/0?password=hunter2")
+    with pytest.raises(ConfigError, match=r"redis\.url \(KVDI_REDIS__URL=\*\*\*\): .*must start with redis://") as info:
+        load_settings()
+    assert "hunter2" not in str(info.value)
+
+
+def test_a_url_in_a_plain_field_is_shown_masked(kvdi_env: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(kv_role="redis://:pa/ss#wd@h/0")
+    assert "redis://:***@h/0" in str(info.value) and "pa/ss" not in str(info.value)
+
+
+def test_value_sources_name_the_transfer_config_env(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVDI_KV_TRANSFER_CONFIG", '{"kv_port": 15000}')
+    assert value_sources()["p2p.kv_port"] == "env"
+    assert load_settings().p2p.kv_port == 15000
+
+
+def test_any_secretstr_field_error_shows_stars_not_its_input() -> None:
+    """Not only redis.url: every SecretStr field (optional ones too) hides its input in error messages."""
+
+    class WithSecret(BaseModel):
+        blob: SecretStr | None = Field(None, min_length=20)
+
+    with pytest.raises(ValidationError) as info:
+        WithSecret(blob="short-but-secret")
+    text = describe_validation_error(info.value, model=WithSecret)
+    assert "blob (KVDI_BLOB=***)" in text and "short-but-secret" not in text
+
+
+def test_flatten_keeps_extra_config_whole_and_survives_depth() -> None:
+    data = {"a": {"b": 1, "c": {}}, "kv_connector_extra_config": {"x": {"y": 2}}}
+    assert flatten(data) == [("a.b", 1), ("a.c", {}), ("kv_connector_extra_config", {"x": {"y": 2}})]
+    deep: dict[str, object] = {}
+    node = deep
+    for _ in range(5000):
+        node["k"] = node = {}
+    assert len(flatten(deep)) == 1 and nesting_depth(deep) == 33

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import re
 import socket
 import threading
 import time
@@ -38,6 +37,7 @@ from redis.retry import Retry
 
 from kvdi.connectors.store import Buffer
 from kvdi.errors import ConfigError
+from kvdi.masking import mask_text, mask_url
 
 if TYPE_CHECKING:
     from kvdi.layout import KVCacheSpec
@@ -45,17 +45,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MASK = "***"
 _COALESCE_BYTES = 16 << 10  # pieces up to this size are copied into the command buffer
 _IOV_BATCH = 512  # buffers per sendmsg call, below every platform's IOV_MAX
-_USERINFO_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*):[^/?#]*@")
-_QUERY_SECRET_RE = re.compile(r"([?&](?:password|pass|auth)=)[^&#]*", re.IGNORECASE)
-
-
-def mask_url(url: str) -> str:
-    """``url`` with its password (in the userinfo or a ``password=`` query) replaced by ``***``."""
-    masked = _USERINFO_RE.sub(rf"\g<1>:{MASK}@", url, count=1)
-    return _QUERY_SECRET_RE.sub(rf"\g<1>{MASK}", masked)
 
 
 class BreakerState(enum.Enum):
@@ -344,9 +335,8 @@ def _byte_view(piece: Buffer) -> memoryview:
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
     # redis-py messages name host:port, never credentials, but be safe about URLs.
-    return re.sub(r"(\w+://[^/@\s:]*:)[^/@\s]*@", rf"\g<1>{MASK}@", text)
+    return mask_text(str(exc) or type(exc).__name__)
 
 
 def open_store(options: RedisSettings, layout: KVCacheSpec, settings: KvdiSettings) -> RedisBlockStore:

@@ -27,6 +27,7 @@ from kvdi.connectors.base import ConnectorStats
 from kvdi.containers import KVTransferContainer, build_kv_container
 from kvdi.errors import ConfigError
 from kvdi.layout import KVCacheSpec
+from kvdi.settings.paths import flatten
 
 EXTRA_PREFIX = "kvdi."
 STATS_DIR_KEY = "kvdi_stats_dir"
@@ -46,7 +47,7 @@ def settings_overrides(extra_config: Mapping[str, Any]) -> dict[str, Any]:
     items: list[tuple[str, Any]] = []
     nested = extra_config.get("kvdi")
     if isinstance(nested, Mapping):
-        items.extend(_flatten_mapping(nested))
+        items.extend(flatten(nested))
     items.extend((k[len(EXTRA_PREFIX) :], v) for k, v in extra_config.items() if k.startswith(EXTRA_PREFIX))
     for dotted, value in items:
         parts = [p for p in dotted.split(".") if p]
@@ -60,17 +61,6 @@ def settings_overrides(extra_config: Mapping[str, Any]) -> dict[str, Any]:
             node = child
         node[parts[-1]] = value
     return out
-
-
-def _flatten_mapping(data: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    flat: list[tuple[str, Any]] = []
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and key != "kv_connector_extra_config":
-            flat.extend(_flatten_mapping(value, path + "."))
-        else:
-            flat.append((path, value))
-    return flat
 
 
 def kv_cache_spec(vllm_config: Any, format_tag: Callable[[Any], str]) -> KVCacheSpec:

@@ -1,0 +1,141 @@
+"""Building settings and telling where they came from.
+
+:func:`load_settings` turns every failure into a one-line ConfigError naming the variable the
+user set; :func:`value_sources` tells which source gave each value (provenance).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_settings import DotEnvSettingsSource, EnvSettingsSource, InitSettingsSource
+
+from kvdi.errors import ConfigError
+from kvdi.settings.diagnostics import Loc, check_env_keys, describe_validation_error, env_var_for
+from kvdi.settings.paths import MAX_NESTING, flatten
+from kvdi.settings.root import ENV_PREFIX, SETTINGS_FILE_ENV, KvdiSettings, named_sources
+from kvdi.settings.vllm_compat import TRANSFER_CONFIG_ENV, VLLM_KEYS, VLLM_USE_V1_ENV
+
+_SHOWN_AS = {"vllm": "env"}
+_FIELD_FROM_SOURCE = re.compile(r'field "([^"]+)" from source "(\w+)"')
+
+
+def load_settings(**overrides: Any) -> KvdiSettings:
+    """Build and validate settings; init kwargs beat every other source.
+
+    Raises ConfigError (one line) for anything wrong: an unknown ``KVDI_*`` variable, a bad
+    value (blamed on the variable, file or JSON key that gave it), unparsable JSON/TOML, or
+    data nested deeper than :data:`~kvdi.settings.paths.MAX_NESTING` levels. Never echoes a secret.
+    """
+    check_env_keys()
+    try:
+        return KvdiSettings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc, _blamer(overrides))) from None
+    except RecursionError:
+        raise ConfigError(f"{_deepest_env_var()} is nested deeper than {MAX_NESTING} levels") from None
+    except ValueError as exc:  # pydantic-settings' SettingsError (bad JSON in an env var) and the like
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(_describe_source_error(exc)) from None
+
+
+def value_sources(**overrides: Any) -> dict[str, str]:
+    """Which source gave each set value, as ``{'allocator.block_size': 'env', ...}``; unset means default.
+
+    Sources are ``init``, ``env`` (``KVDI_*`` and the vLLM-compatible variables), ``dotenv`` and ``file``.
+    """
+    return {path: _SHOWN_AS.get(name, name) for path, name in _origins(overrides).items()}
+
+
+def _origins(overrides: dict[str, Any]) -> dict[str, str]:
+    cls = KvdiSettings
+    names, sources = named_sources(
+        cls,
+        InitSettingsSource(cls, init_kwargs=overrides),
+        EnvSettingsSource(cls),
+        DotEnvSettingsSource(cls),
+    )
+    found: dict[str, str] = {}
+    # Walk lowest precedence first so higher sources overwrite.
+    for name, source in reversed(list(zip(names, sources, strict=True))):
+        for path, _value in flatten(source()):
+            found[path] = name
+    return found
+
+
+def _blamer(overrides: dict[str, Any]) -> Callable[[Loc], str]:
+    try:
+        origins = _origins(overrides)
+    except Exception:  # the error being described may come from the same data; fall back to env names
+        origins = {}
+
+    def blame(loc: Loc) -> str:
+        dotted = ".".join(str(p) for p in loc)
+        name = _origin_of(dotted, origins)
+        if name == "vllm":
+            if loc == ("use_v1",):
+                return VLLM_USE_V1_ENV
+            keys = [k for k, target in VLLM_KEYS.items() if tuple(loc[: len(target)]) == target]
+            return f"{TRANSFER_CONFIG_ENV} key {keys[0]}" if keys else TRANSFER_CONFIG_ENV
+        if name == "file":
+            return f"{SETTINGS_FILE_ENV}={os.environ.get(SETTINGS_FILE_ENV, '')!r} key {dotted}"
+        if name == "dotenv":
+            return f".env: {env_var_for(loc)}"
+        if name == "env":
+            return _env_var_set_for(loc)
+        return env_var_for(loc)
+
+    return blame
+
+
+def _origin_of(dotted: str, origins: dict[str, str]) -> str | None:
+    path = dotted
+    while path:
+        if path in origins:
+            return origins[path]
+        path = path.rpartition(".")[0]
+    below = [name for p, name in origins.items() if p.startswith(dotted + ".")]
+    return below[0] if below else None
+
+
+def _env_var_set_for(loc: Loc) -> str:
+    """The ``KVDI_*`` variable really set for ``loc``: the field's own, or a section's JSON (``KVDI_REDIS key url``)."""
+    present = {key.upper() for key in os.environ}
+    for cut in range(len(loc), 0, -1):
+        var = env_var_for(loc[:cut])
+        if var in present:
+            rest = ".".join(str(p) for p in loc[cut:])
+            return f"{var} key {rest}" if rest else var
+    return env_var_for(loc)
+
+
+def _describe_source_error(exc: ValueError) -> str:
+    match = _FIELD_FROM_SOURCE.search(str(exc))
+    if match is None:
+        return f"cannot read settings: {type(exc).__name__}"
+    field, source = match.groups()
+    where = {"EnvSettingsSource": env_var_for((field,)), "DotEnvSettingsSource": f".env: {env_var_for((field,))}"}
+    return f"{where.get(source, field)} is not valid JSON; expected a JSON value for setting {field!r}"
+
+
+def _deepest_env_var() -> str:
+    """The ``KVDI_*`` variable whose value nests brackets deepest (a guess at what overflowed the parser)."""
+    best, best_depth = f"a {ENV_PREFIX}* variable", -1
+    for key, value in os.environ.items():
+        if not key.upper().startswith(ENV_PREFIX):
+            continue
+        depth = deepest = 0
+        for ch in value:
+            depth += 1 if ch in "[{" else -1 if ch in "]}" else 0
+            deepest = max(deepest, depth)
+        if deepest > best_depth:
+            best, best_depth = key, deepest
+    return best
+
+
+__all__ = ["load_settings", "value_sources"]

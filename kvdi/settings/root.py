@@ -1,0 +1,154 @@
+""":class:`KvdiSettings`, the root settings model, and the one ordered list of its sources.
+
+Precedence (highest first), as :func:`named_sources` returns it: init kwargs > ``KVDI_*`` env >
+vLLM-compatible env (``KVDI_KV_TRANSFER_CONFIG`` JSON, ``VLLM_USE_V1``) > ``.env`` > the TOML
+file named by ``KVDI_SETTINGS_FILE`` > defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from kvdi.errors import ConfigError
+from kvdi.settings.paths import MAX_NESTING, nesting_depth
+from kvdi.settings.sections import (
+    AllocatorSettings,
+    CpuOffloadSettings,
+    KVRole,
+    LoadFailurePolicy,
+    ModelSettings,
+    MultiSettings,
+    P2pSettings,
+    RedisSettings,
+    SchedulerSettings,
+    SharedStorageSettings,
+)
+from kvdi.settings.vllm_compat import VllmCompatSource
+
+ENV_PREFIX = "KVDI_"
+SETTINGS_FILE_ENV = "KVDI_SETTINGS_FILE"
+
+# Source names, highest precedence first; "vllm" is shown as "env" by value_sources.
+SOURCE_NAMES = ("init", "env", "vllm", "dotenv", "file")
+
+
+class KvdiSettings(BaseSettings):
+    """Everything kvdi reads from its environment; field names follow vLLM's KVTransferConfig."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        env_file=".env",
+        extra="forbid",
+        frozen=True,
+        case_sensitive=False,
+    )
+
+    kv_connector: str = Field("shared_storage", max_length=256)
+    kv_role: KVRole = "kv_both"
+    kv_connector_module_path: str | None = Field(None, max_length=1024)
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+    engine_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=256)
+    kv_load_failure_policy: LoadFailurePolicy = "recompute"
+    use_v1: bool = True
+
+    allocator: AllocatorSettings = AllocatorSettings()
+    model: ModelSettings = ModelSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    shared_storage: SharedStorageSettings = Field(default_factory=SharedStorageSettings)
+    cpu_offload: CpuOffloadSettings = CpuOffloadSettings()
+    redis: RedisSettings = RedisSettings()
+    multi: MultiSettings = MultiSettings()
+    p2p: P2pSettings = P2pSettings()
+
+    @field_validator("kv_connector")
+    @classmethod
+    def _connector_name(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("kv_connector must not be empty")
+        return value.strip()
+
+    @field_validator("kv_connector_extra_config")
+    @classmethod
+    def _extra_depth(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if nesting_depth(value) > MAX_NESTING:
+            raise ValueError(f"nested deeper than {MAX_NESTING} levels")
+        return value
+
+    @property
+    def is_producer(self) -> bool:
+        """True when this engine saves KV (``kv_producer`` or ``kv_both``)."""
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        """True when this engine loads KV (``kv_consumer`` or ``kv_both``)."""
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return named_sources(settings_cls, init_settings, env_settings, dotenv_settings)[1]
+
+
+def named_sources(
+    settings_cls: type[BaseSettings],
+    init_settings: PydanticBaseSettingsSource,
+    env_settings: PydanticBaseSettingsSource,
+    dotenv_settings: PydanticBaseSettingsSource,
+) -> tuple[tuple[str, ...], tuple[PydanticBaseSettingsSource, ...]]:
+    """The one ordered list of sources, highest precedence first, with a name from :data:`SOURCE_NAMES` for each.
+
+    Raises ConfigError naming ``KVDI_SETTINGS_FILE`` when that file is missing, unreadable,
+    not TOML, or nested deeper than :data:`~kvdi.settings.paths.MAX_NESTING` levels.
+    """
+    names: list[str] = ["init", "env", "vllm", "dotenv"]
+    sources: list[PydanticBaseSettingsSource] = [
+        init_settings,
+        env_settings,
+        VllmCompatSource(settings_cls),
+        dotenv_settings,
+    ]
+    toml_file = os.environ.get(SETTINGS_FILE_ENV)
+    if toml_file:
+        names.append("file")
+        sources.append(_toml_source(settings_cls, toml_file))
+    return tuple(names), tuple(sources)
+
+
+def _toml_source(settings_cls: type[BaseSettings], toml_file: str) -> TomlConfigSettingsSource:
+    where = f"{SETTINGS_FILE_ENV}={toml_file!r}"
+    try:
+        path = Path(toml_file)
+        if not path.is_file():
+            raise ConfigError(f"{where}: no such file")
+        source = TomlConfigSettingsSource(settings_cls, toml_file=path)
+    except RecursionError:
+        raise ConfigError(f"{where}: nested deeper than {MAX_NESTING} levels") from None
+    except (OSError, ValueError) as exc:  # tomllib's / tomli's TOMLDecodeError and UnicodeDecodeError are ValueErrors
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{where}: not a readable TOML file ({type(exc).__name__}: {exc})") from None
+    if nesting_depth(source.toml_data) > MAX_NESTING:
+        raise ConfigError(f"{where}: nested deeper than {MAX_NESTING} levels")
+    return source
+
+
+__all__ = ["ENV_PREFIX", "SETTINGS_FILE_ENV", "SOURCE_NAMES", "KvdiSettings", "named_sources"]

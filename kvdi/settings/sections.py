@@ -1,0 +1,228 @@
+"""The settings sections (``KVDI_<SECTION>__*``): one frozen pydantic model per concern, every number bounded.
+
+Bounds a caller may rely on once a section validated:
+
+- every duration is finite, > 0 and at most :data:`MAX_DURATION_S` (one day), which socket
+  timeouts, ``threading`` waits and Redis accept;
+- ``redis.ttl_s`` is at most :data:`MAX_REDIS_TTL_S` (2**31-1 s, ~68 years): Redis refuses an
+  ``EX`` whose milliseconds, added to the current time, overflow a signed 64-bit integer;
+- in-memory byte budgets (``cpu_offload.max_bytes``, ``p2p.max_held_bytes``) are at most the
+  machine's physical memory (:func:`physical_memory_bytes`), read when the value is validated;
+- ``shared_storage.path`` holds no NUL, is not an existing non-directory and is not under a
+  kernel file system (``/proc``, ``/sys``, ``/dev``);
+- every other count has a documented ``le`` bound (see each field).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+LoadFailurePolicy = Literal["recompute", "fail"]
+Dtype = Literal["float32", "float16", "bfloat16"]
+
+MAX_DURATION_S = 86_400.0
+MAX_REDIS_TTL_S = 2**31 - 1
+MAX_STORE_BYTES = 2**63 - 1  # the largest off_t
+MAX_BLOCKS = 2**31 - 1  # block ids are int32 in the engine's tables
+KERNEL_FILE_SYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+def default_cache_dir() -> Path:
+    """Where the embedded default stores KV: ``$XDG_CACHE_HOME/kvdi/kv`` (or ``~/.cache``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvdi" / "kv"
+
+
+def physical_memory_bytes() -> int:
+    """Physical memory of this machine in bytes (``SC_PHYS_PAGES * SC_PAGE_SIZE``)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def within_physical_memory(value: int) -> int:
+    """``value`` when it is at most :func:`physical_memory_bytes`; else ValueError (use in a field validator)."""
+    if value > (limit := physical_memory_bytes()):
+        raise ValueError(f"must be at most this machine's physical memory ({limit} B)")
+    return value
+
+
+def duration_field(default: float) -> float:
+    """A pydantic ``Field`` for a duration in seconds: finite, > 0, at most :data:`MAX_DURATION_S`."""
+    return Field(default, gt=0, le=MAX_DURATION_S, allow_inf_nan=False)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class AllocatorSettings(_Section):
+    """Where and how large the paged KV cache is (``KVDI_ALLOCATOR__*``).
+
+    ``num_blocks`` is bounded here by :data:`MAX_BLOCKS`; whether that many blocks fit the
+    device is the allocation plan's question (``kvdi check`` asks it).
+    """
+
+    device: str = "auto"
+    dtype: Dtype = "float32"
+    block_size: int = Field(16, gt=0, le=4096)
+    num_blocks: int | None = Field(None, gt=0, le=MAX_BLOCKS)
+    memory_fraction: float | None = Field(None, gt=0.0, le=1.0)
+    pin_memory: bool = True
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not _DEVICE_RE.match(value):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> AllocatorSettings:
+        if self.num_blocks is not None and self.memory_fraction is not None:
+            raise ValueError("set num_blocks or memory_fraction, not both")
+        return self
+
+
+class ModelSettings(_Section):
+    """Shape of the reference engine's model (``KVDI_MODEL__*``)."""
+
+    model_id: str = Field("kvdi-tiny", min_length=1, max_length=256)
+    num_layers: int = Field(4, gt=0, le=1024)
+    hidden_size: int = Field(256, gt=0, le=1 << 16)
+    num_heads: int = Field(8, gt=0, le=1024)
+    num_kv_heads: int = Field(4, gt=0, le=1024)
+    head_dim: int = Field(32, gt=0, le=1024)
+    intermediate_size: int = Field(512, gt=0, le=1 << 18)
+    vocab_size: int = Field(1024, gt=1, le=1 << 22)
+    max_model_len: int = Field(4096, gt=0, le=1 << 24)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+
+    @model_validator(mode="after")
+    def _gqa(self) -> ModelSettings:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        return self
+
+
+class SchedulerSettings(_Section):
+    """Reference engine scheduler limits (``KVDI_SCHEDULER__*``)."""
+
+    max_num_batched_tokens: int = Field(2048, gt=0, le=1 << 24)
+    max_num_seqs: int = Field(16, gt=0, le=1 << 16)
+
+
+class SharedStorageSettings(_Section):
+    """Local directory of framed KV objects (``KVDI_SHARED_STORAGE__*``)."""
+
+    path: Path = Field(default_factory=default_cache_dir)
+    max_bytes: int | None = Field(None, gt=0, le=MAX_STORE_BYTES)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: Path) -> Path:
+        text = str(value)
+        if "\x00" in text:
+            raise ValueError("path must not contain a NUL character")
+        resolved = value.expanduser().resolve(strict=False)
+        for kernel in KERNEL_FILE_SYSTEMS:
+            if resolved == kernel or kernel in resolved.parents:
+                raise ValueError(f"path is under {kernel}, a kernel file system; point it at a directory on disk")
+        if resolved.exists() and not resolved.is_dir():
+            raise ValueError("path exists and is not a directory")
+        return value
+
+
+class CpuOffloadSettings(_Section):
+    """Host memory pool (``KVDI_CPU_OFFLOAD__*``); ``max_bytes`` at most the physical memory."""
+
+    max_bytes: int = Field(1 << 30, gt=0)
+
+    @field_validator("max_bytes")
+    @classmethod
+    def _memory(cls, value: int) -> int:
+        return within_physical_memory(value)
+
+
+class RedisSettings(_Section):
+    """Redis server (``KVDI_REDIS__*``); the URL may carry a password and is masked when shown."""
+
+    url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
+    key_prefix: str = Field("kvdi:", max_length=1024)
+    ttl_s: int | None = Field(None, gt=0, le=MAX_REDIS_TTL_S)
+    connect_timeout_s: float = duration_field(1.0)
+    op_timeout_s: float = duration_field(2.0)
+    breaker_failures: int = Field(3, gt=0, le=1_000_000)
+    breaker_reset_s: float = duration_field(5.0)
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, value: SecretStr) -> SecretStr:
+        raw = value.get_secret_value()
+        if not raw.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("url must start with redis://, rediss:// or unix://")
+        return value
+
+
+class MultiSettings(_Section):
+    """Tiers tried in order for loads, all written on saves (``KVDI_MULTI__*``)."""
+
+    tiers: tuple[str, ...] = Field(("cpu_offload", "shared_storage"), max_length=16)
+
+    @field_validator("tiers")
+    @classmethod
+    def _tiers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("tiers must name at least one connector")
+        if "multi" in value:
+            raise ValueError("multi cannot be one of its own tiers")
+        return value
+
+
+class P2pSettings(_Section):
+    """Peer-to-peer transfer over torch.distributed (``KVDI_P2P__*``)."""
+
+    kv_ip: str = Field("127.0.0.1", min_length=1, max_length=253)
+    kv_port: int = Field(14579, gt=0, lt=65536)
+    kv_rank: int = Field(0, ge=0, lt=1 << 16)
+    kv_parallel_size: int = Field(2, gt=1, le=1 << 16)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: float = duration_field(30.0)
+    connect_timeout_s: float = duration_field(60.0)
+    hold_s: float = duration_field(60.0)
+    max_held_bytes: int = Field(1 << 30, gt=0)
+
+    @field_validator("max_held_bytes")
+    @classmethod
+    def _memory(cls, value: int) -> int:
+        return within_physical_memory(value)
+
+
+__all__ = [
+    "KERNEL_FILE_SYSTEMS",
+    "MAX_BLOCKS",
+    "MAX_DURATION_S",
+    "MAX_REDIS_TTL_S",
+    "MAX_STORE_BYTES",
+    "AllocatorSettings",
+    "CpuOffloadSettings",
+    "Dtype",
+    "KVRole",
+    "LoadFailurePolicy",
+    "ModelSettings",
+    "MultiSettings",
+    "P2pSettings",
+    "RedisSettings",
+    "SchedulerSettings",
+    "SharedStorageSettings",
+    "default_cache_dir",
+    "duration_field",
+    "physical_memory_bytes",
+    "within_physical_memory",
+]
