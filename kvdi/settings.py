@@ -110,6 +110,23 @@ class SharedStorageSettings(_Section):
 
     path: Path = Field(default_factory=default_cache_dir)
     max_bytes: int | None = Field(None, gt=0)
+    mode: int = 0o600
+    """Mode of object files (octal, e.g. "0640" for a group-shared store); folders get x where r is set."""
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _mode(cls, value: Any) -> int:
+        text = str(value).strip().lower()
+        try:
+            mode = int(text.removeprefix("0o"), 8) if isinstance(value, str) else int(value)
+        except ValueError:
+            raise ValueError(f"mode must be octal file permissions such as 0600 or 0640, got {text!r}") from None
+        if isinstance(value, bool) or mode & ~0o666 or mode & 0o600 != 0o600:
+            raise ValueError(
+                "mode must be read/write permission bits only (no x, setuid, sticky), with the owner able to "
+                "read and write, e.g. 0600 (private) or 0640 (group can read)"
+            )
+        return mode
 
 
 class CpuOffloadSettings(_Section):
@@ -243,6 +260,10 @@ class KvdiSettings(BaseSettings):
     engine_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     kv_load_failure_policy: LoadFailurePolicy = "recompute"
     use_v1: bool = True
+    integrity_key: SecretStr | None = None
+    """A secret that makes every stored frame carry a keyed MAC (see README "Security")."""
+    integrity_key_file: Path | None = None
+    """A file holding the integrity key (owner-only, not a symlink); instead of ``integrity_key``."""
 
     allocator: AllocatorSettings = AllocatorSettings()
     model: ModelSettings = ModelSettings()
