@@ -43,7 +43,8 @@ class HostPoolStore:
         self._pool: np.ndarray | None = None
         self._keep: object = None  # the torch tensor owning pinned memory, if any
         self._lru: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, size)
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._free: list[int] = []  # slots given back by discard
+        self._unused = 0  # slots from here on were never used (no list of num_slots entries)
         self._lock = threading.Lock()
         self._logged: set[type[BaseException]] = set()
 
@@ -136,6 +137,9 @@ class HostPoolStore:
     def _take_slot(self) -> int:
         if self._free:
             return self._free.pop()
+        if self._unused < self.num_slots:
+            self._unused += 1
+            return self._unused - 1
         _key, (slot, _size) = self._lru.popitem(last=False)
         return slot
 
@@ -155,7 +159,7 @@ class HostPoolStore:
         """Drop the pool."""
         with self._lock:
             self._lru.clear()
-            self._free = list(range(self.num_slots - 1, -1, -1))
+            self._free, self._unused = [], 0
             self._pool = None
             self._keep = None
 
