@@ -144,3 +144,11 @@ def test_keyed_engine_round_trips_its_own_blocks(store: BlockStore) -> None:
     assert consumer.prefill(PROMPT, (6, 7, 8, 9, 10)) == (16, set())
     for a, b in zip(producer.block(1), consumer.block(6), strict=True):
         assert a.equal(b)
+
+
+def test_bench_reports_the_keyed_mac_cost_as_a_ratio_to_the_checksum() -> None:
+    from kvdi.bench.integrity import bench_frames
+
+    rows = bench_frames(num_blocks=2, repeats=1)
+    assert [r.metric for r in rows] == ["frame save", "frame load"]
+    assert all(r.baseline_name == "unkeyed xxh3 checksum" and r.ratio == round(r.kvdi / r.baseline, 3) for r in rows)
