@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvdi.connectors.framing import HEADER_SIZE, Buffer
+from kvdi.connectors.integrity import frame_key
 from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -155,6 +156,11 @@ class HostPoolStore:
             if entry is not None:
                 self._free.append(entry[0])
 
+    def check(self) -> str:
+        """A one-line summary (contract 3); the pool itself is allocated on the first write."""
+        gib = self.num_slots * self.slot_bytes / 2**30
+        return f"cpu_offload: {self.num_slots} slots of {self.slot_bytes} B ({gib:.2f} GiB), allocated on first write"
+
     def close(self) -> None:
         """Drop the pool."""
         with self._lock:
@@ -173,6 +179,7 @@ def open_store(options: CpuOffloadSettings, layout: KVCacheSpec, settings: KvdiS
             f"KVDI_CPU_OFFLOAD__MAX_BYTES={options.max_bytes} holds no block: one framed block of this "
             f"layout is {frame_bytes} B; raise it to at least {frame_bytes}"
         )
+    frame_key(settings)  # a bad integrity key is a ConfigError when the backend is built (and in `kvdi check`)
     return HostPoolStore(num_slots, frame_bytes, pin_memory=_cuda_available())
 
 

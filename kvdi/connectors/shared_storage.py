@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from kvdi.connectors.framing import HEADER_SIZE, Buffer
+from kvdi.connectors.integrity import frame_key
 from kvdi.connectors.safe_dir import DIR_FLAGS, SafeDir
 from kvdi.errors import ConfigError
 
@@ -355,6 +356,7 @@ def _writev_full(fd: int, pieces: Sequence[Buffer]) -> int:
 
 def open_store(options: SharedStorageSettings, layout: KVCacheSpec, settings: KvdiSettings) -> FileBlockStore:
     """The backend factory named by the ``shared_storage`` spec: creates the directory if needed."""
+    frame_key(settings)  # a bad integrity key is a ConfigError when the backend is built (and in `kvdi check`)
     root = Path(options.path).expanduser()
     store = FileBlockStore(root, options.max_bytes, mode=options.mode, object_bytes=HEADER_SIZE + layout.block_bytes)
     try:

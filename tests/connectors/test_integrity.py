@@ -152,3 +152,16 @@ def test_bench_reports_the_keyed_mac_cost_as_a_ratio_to_the_checksum() -> None:
     rows = bench_frames(num_blocks=2, repeats=1)
     assert [r.metric for r in rows] == ["frame save", "frame load"]
     assert all(r.baseline_name == "unkeyed xxh3 checksum" and r.ratio == round(r.kvdi / r.baseline, 3) for r in rows)
+
+
+@pytest.mark.parametrize("connector", ["shared_storage", "cpu_offload"])
+def test_building_the_backend_reports_a_bad_key_file(tmp_path: Path, connector: str) -> None:
+    from kvdi.containers import build_kv_container
+
+    container = build_kv_container(
+        kv_connector=connector,
+        shared_storage={"path": str(tmp_path / "kv")},
+        integrity_key_file=str(key_file(tmp_path, mode=0o644)),
+    )
+    with pytest.raises(ConfigError, match="KVDI_INTEGRITY_KEY_FILE"):
+        container.backend()

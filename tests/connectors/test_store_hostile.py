@@ -239,3 +239,20 @@ def test_cpu_offload_put_many_counts_what_it_stored(make: Callable[[], HostPoolS
     expected = 0 if store.num_slots > 1 << 40 else 2  # the oversized object is not kept
     assert store.put_many(items) == expected
     assert store.count_prefix(KEYS) == (1 if expected else 0)
+
+
+def test_a_lone_surrogate_cache_salt_is_served_and_isolated(tmp_path: Path) -> None:
+    store = open_at(tmp_path / "kv")
+    salted = request(range(18), "a", salt="tenant-\ud800")
+    Engine(store, LAYOUT, make_settings(), seed=1).prefill(salted, IDS)
+    assert Engine(store, LAYOUT, make_settings()).prefill(request(range(18), "b", salt="tenant-\ud800"), IDS) == (
+        16,
+        set(),
+    )
+    assert Engine(store, LAYOUT, make_settings()).prefill(request(range(18), "c", salt="tenant-\udfff"), IDS)[0] == 0
+
+
+def test_check_probes_the_folder_and_summarises_it(tmp_path: Path) -> None:
+    store = open_at(tmp_path / "kv", mode=0o640)
+    assert store.check().startswith(f"shared_storage: {tmp_path / 'kv'} writable, files 0640, folders 0750")
+    assert [p.name for p in (tmp_path / "kv").iterdir()] == []  # the probe left nothing behind
