@@ -29,6 +29,7 @@ class SafeDir:
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._subs: dict[str, int] = {}
+        self._retired: list[int] = []  # dropped from the cache, closed only by close(): a thread may still use one
         self._closed = False
 
     def open(self) -> int:
@@ -79,18 +80,24 @@ class SafeDir:
                 raise OSError(errno.EBADF, "the store is closed")
         return cached
 
-    def forget(self, name: str) -> None:
-        """Drop a cached folder descriptor (its folder was removed under us); the next ``sub`` reopens it."""
+    def reset(self) -> None:
+        """Forget every cached descriptor (the tree was removed or replaced under us); the next call reopens.
+
+        The old descriptors stay open until :meth:`close`: closing one that another thread is
+        using could let the number be reused for an unrelated file.
+        """
         with self._lock:
-            fd = self._subs.pop(name, None)
-        if fd is not None:
-            os.close(fd)
+            self._retired += self._subs.values()
+            self._subs = {}
+            if self._fd is not None:
+                self._retired.append(self._fd)
+                self._fd = None
 
     def close(self) -> None:
         """Close every descriptor; later calls raise OSError (EBADF)."""
         with self._lock:
             self._closed = True
-            fds, self._subs = list(self._subs.values()), {}
+            fds, self._subs, self._retired = [*self._subs.values(), *self._retired], {}, []
             if self._fd is not None:
                 fds.append(self._fd)
                 self._fd = None

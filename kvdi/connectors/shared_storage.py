@@ -212,8 +212,8 @@ class FileBlockStore:
         sub = self._dirs.sub(name[:2], create=True)
         try:
             fd = os.open(tmp, _TEMP_FLAGS, self.mode, dir_fd=sub)
-        except FileNotFoundError:  # the cached folder was removed under us: open it afresh, once
-            self._dirs.forget(name[:2])
+        except FileNotFoundError:  # the store was removed under us (e.g. rm -rf to clear it): reopen, once
+            self._dirs.reset()
             sub = self._dirs.sub(name[:2], create=True)
             fd = os.open(tmp, _TEMP_FLAGS, self.mode, dir_fd=sub)
         try:

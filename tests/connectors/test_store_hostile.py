@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
 import tempfile
@@ -256,3 +257,12 @@ def test_check_probes_the_folder_and_summarises_it(tmp_path: Path) -> None:
     store = open_at(tmp_path / "kv", mode=0o640)
     assert store.check().startswith(f"shared_storage: {tmp_path / 'kv'} writable, files 0640, folders 0750")
     assert [p.name for p in (tmp_path / "kv").iterdir()] == []  # the probe left nothing behind
+
+
+def test_a_store_removed_under_a_running_engine_is_recreated_on_the_next_save(tmp_path: Path) -> None:
+    store = open_at(tmp_path / "kv")
+    produce(store)
+    shutil.rmtree(tmp_path / "kv")
+    produce(store)
+    assert store.count_prefix(KEYS) == 4
+    assert consume(store)[1:] == (16, set())
