@@ -1,5 +1,7 @@
 """Storage: kvdi's worker half over cpu_offload and shared_storage next to raw copies of the same bytes.
 
+(The run also reports :mod:`kvdi.bench.integrity`: the keyed MAC's cost as a ratio to the checksum.)
+
 The blocks are 1 MiB each (8 layers x 128 KiB: 2 x 16 tokens x 8 heads x 128 dims x fp32),
 in requests of 16 blocks. kvdi moves them through the real
 :class:`~kvdi.connectors.store.StoreWorkerConnector` built by the container (register the
@@ -104,10 +106,11 @@ def _remove_objects(root: Path) -> None:
 class _Setup:
     """The cache, the transfers and a kvdi worker half for one connector."""
 
-    def __init__(self, connector: str, num_blocks: int, tmp: Path) -> None:
+    def __init__(self, connector: str, num_blocks: int, tmp: Path, **settings: Any) -> None:
         import torch
 
         self.container = build_kv_container(
+            **settings,
             kv_connector=connector,
             model=MODEL,
             allocator={"device": "cpu", "block_size": BLOCK_SIZE, "dtype": "float32"},
@@ -293,7 +296,10 @@ def run(quick: bool) -> list[BenchResult]:
     num_blocks, repeats = (64, 5) if quick else (256, 7)
     with tempfile.TemporaryDirectory(prefix="kvdi-bench-storage-") as name:
         tmp = Path(name)
-        return [*bench_cpu_offload(num_blocks, repeats, tmp), *bench_shared_storage(num_blocks, repeats, tmp)]
+        results = [*bench_cpu_offload(num_blocks, repeats, tmp), *bench_shared_storage(num_blocks, repeats, tmp)]
+    from kvdi.bench import integrity  # the keyed-MAC cost, next to the checksum (also `kvdi bench integrity`)
+
+    return [*results, *integrity.run(quick)]
 
 
 def main(argv: Any = None) -> None:  # pragma: no cover - manual runs

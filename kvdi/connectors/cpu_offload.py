@@ -11,6 +11,7 @@ saved or loaded together) the head is marked most recently used, so chains go ta
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -18,14 +19,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvdi.connectors.framing import HEADER_SIZE
+from kvdi.connectors.framing import HEADER_SIZE, Buffer
+from kvdi.connectors.integrity import frame_key
 from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvdi.layout import KVCacheSpec
     from kvdi.settings import CpuOffloadSettings, KvdiSettings
 
-Buffer = bytes | bytearray | memoryview
+logger = logging.getLogger(__name__)
+
+_BACKEND_ERRORS = (ValueError, TypeError, OverflowError, MemoryError, RuntimeError, OSError)
 
 
 class HostPoolStore:
@@ -40,8 +44,10 @@ class HostPoolStore:
         self._pool: np.ndarray | None = None
         self._keep: object = None  # the torch tensor owning pinned memory, if any
         self._lru: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, size)
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._free: list[int] = []  # slots given back by discard
+        self._unused = 0  # slots from here on were never used (no list of num_slots entries)
         self._lock = threading.Lock()
+        self._logged: set[type[BaseException]] = set()
 
     def _slots(self) -> np.ndarray:
         if self._pool is None:
@@ -92,31 +98,49 @@ class HostPoolStore:
                         dst = np.frombuffer(piece, dtype=np.uint8)
                         np.copyto(dst, row[offset : offset + dst.size])
                         offset += dst.size
-                out.append(size)
+                out.append(size)  # at most one slot: an object never outgrows the frame it was stored as
             self._touch([k for k, _ in items])
             return out
 
-    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> None:
-        """Copy each object into a slot, evicting LRU objects; objects larger than a slot are not kept."""
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
+        """Copy each object into a slot, evicting LRU objects; returns how many were stored.
+
+        Objects larger than a slot are not kept; a failure (the pool cannot be allocated, a
+        piece is no byte buffer) skips that object and is logged once, never raised.
+        """
+        stored = 0
         with self._lock:
-            pool = self._slots()
             for key, pieces in items:
-                views = [np.frombuffer(p, dtype=np.uint8) for p in pieces]
-                size = sum(v.size for v in views)
-                if size > self.slot_bytes:
-                    continue
-                entry = self._lru.pop(key, None)
-                slot = entry[0] if entry is not None else self._take_slot()
-                row, offset = pool[slot], 0
-                for v in views:
-                    np.copyto(row[offset : offset + v.size], v)
-                    offset += v.size
-                self._lru[key] = (slot, size)
+                try:
+                    stored += self._put(key, pieces)
+                except _BACKEND_ERRORS as exc:
+                    if type(exc) not in self._logged:
+                        self._logged.add(type(exc))
+                        logger.warning("cpu_offload: storing an object failed: %r (logged once)", exc)
             self._touch([k for k, _ in items])
+        return stored
+
+    def _put(self, key: bytes, pieces: Sequence[Buffer]) -> int:
+        views = [np.frombuffer(p, dtype=np.uint8) for p in pieces]
+        size = sum(v.size for v in views)
+        if size > self.slot_bytes:
+            return 0
+        pool = self._slots()
+        entry = self._lru.pop(key, None)
+        slot = entry[0] if entry is not None else self._take_slot()
+        row, offset = pool[slot], 0
+        for v in views:
+            np.copyto(row[offset : offset + v.size], v)
+            offset += v.size
+        self._lru[key] = (slot, size)
+        return 1
 
     def _take_slot(self) -> int:
         if self._free:
             return self._free.pop()
+        if self._unused < self.num_slots:
+            self._unused += 1
+            return self._unused - 1
         _key, (slot, _size) = self._lru.popitem(last=False)
         return slot
 
@@ -132,11 +156,16 @@ class HostPoolStore:
             if entry is not None:
                 self._free.append(entry[0])
 
+    def check(self) -> str:
+        """A one-line summary (contract 3); the pool itself is allocated on the first write."""
+        gib = self.num_slots * self.slot_bytes / 2**30
+        return f"cpu_offload: {self.num_slots} slots of {self.slot_bytes} B ({gib:.2f} GiB), allocated on first write"
+
     def close(self) -> None:
         """Drop the pool."""
         with self._lock:
             self._lru.clear()
-            self._free = list(range(self.num_slots - 1, -1, -1))
+            self._free, self._unused = [], 0
             self._pool = None
             self._keep = None
 
@@ -150,6 +179,7 @@ def open_store(options: CpuOffloadSettings, layout: KVCacheSpec, settings: KvdiS
             f"KVDI_CPU_OFFLOAD__MAX_BYTES={options.max_bytes} holds no block: one framed block of this "
             f"layout is {frame_bytes} B; raise it to at least {frame_bytes}"
         )
+    frame_key(settings)  # a bad integrity key is a ConfigError when the backend is built (and in `kvdi check`)
     return HostPoolStore(num_slots, frame_bytes, pin_memory=_cuda_available())
 
 

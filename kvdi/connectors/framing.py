@@ -1,24 +1,34 @@
 """The object format every backend stores: a fixed header, then one block's KV for all layers.
 
-Header (40 bytes, little-endian)::
+Header (72 bytes, little-endian)::
 
     magic     4s   b"KVDI"
-    version   u16  FRAME_VERSION
-    reserved  u16  0
+    version   u16  FRAME_VERSION (2: the MAC field below was added)
+    flags     u16  bit 0 (FLAG_MAC): the frame carries a keyed MAC; no other bit is defined
     layout    16s  KVCacheSpec.fingerprint()
     length    u64  payload bytes
-    checksum  u64  xxh3_64 of the payload
+    checksum  u64  xxh3_64 of the payload (always written)
+    mac       32s  HMAC-SHA256(key, payload || header[:40]) when FLAG_MAC is set, else 32 zero bytes
 
 The payload is layer 0's block (K then V), layer 1's block, ... contiguous, exactly
-``layout.block_bytes`` long. A reader checks every header field and the checksum and
-raises :class:`CorruptObjectError` with a short ``reason`` for the first one that is off,
-so any single corrupted byte anywhere in a frame is detected.
+``layout.block_bytes`` long. A reader checks every header field and then the payload and
+raises :class:`CorruptObjectError` with a short ``reason`` for the first thing that is off,
+so any single corrupted byte anywhere in an unkeyed frame is detected.
+
+The checksum stops accidents, not a writer with access to the store. With a
+:class:`FrameKey` (``KVDI_INTEGRITY_KEY``), writers add the keyed MAC and readers accept only
+frames whose MAC verifies under that key: an unkeyed frame, or one made with another key, is a
+miss (reason ``mac``). A reader without a key checks the xxh3 checksum of any frame. Every
+function below takes ``key=None`` by default, so callers that pass no key keep working.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 import xxhash
 
@@ -27,12 +37,17 @@ from kvdi.layout import FORMAT_VERSION as FRAME_VERSION
 
 MAGIC = b"KVDI"
 FINGERPRINT_BYTES = 16
-_HEADER = struct.Struct("<4sHH16sQQ")
-HEADER_SIZE = _HEADER.size  # 40: keeps the payload 8-byte aligned
+MAC_BYTES = 32
+FLAG_MAC = 1
+_FIELDS = struct.Struct("<4sHH16sQQ")  # everything the MAC covers besides the payload
+_HEADER = struct.Struct(f"<4sHH16sQQ{MAC_BYTES}s")
+HEADER_SIZE = _HEADER.size  # 72: keeps the payload 8-byte aligned
+_NO_MAC = bytes(MAC_BYTES)
+MIN_KEY_BYTES = 16
 
 Buffer = bytes | bytearray | memoryview
 
-REASONS = ("magic", "version", "header", "fingerprint", "length", "checksum")
+REASONS = ("magic", "version", "header", "fingerprint", "length", "checksum", "mac")
 
 
 class CorruptObjectError(KvdiError):
@@ -42,6 +57,28 @@ class CorruptObjectError(KvdiError):
         super().__init__(f"corrupt KV object ({reason}){': ' + detail if detail else ''}")
         self.reason = reason
         self.detail = detail
+
+
+class FrameKey:
+    """The secret that MACs frames. Its ``repr`` never shows the secret.
+
+    ``secret`` is any byte string of at least :data:`MIN_KEY_BYTES` bytes; it is hashed into a
+    frame-MAC key of its own (domain-separated), so the same secret used elsewhere gives other MACs.
+    """
+
+    __slots__ = ("_key",)
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < MIN_KEY_BYTES:
+            raise ValueError(f"an integrity key needs at least {MIN_KEY_BYTES} bytes, got {len(secret)}")
+        self._key = hashlib.sha256(b"kvdi-frame-mac-v2\x00" + secret).digest()
+
+    def mac(self) -> Any:
+        """A fresh HMAC-SHA256 object under this key (``update`` / ``digest``)."""
+        return hmac.new(self._key, digestmod="sha256")
+
+    def __repr__(self) -> str:
+        return "FrameKey(***)"
 
 
 def checksum(pieces: Sequence[Buffer]) -> int:
@@ -54,32 +91,44 @@ def checksum(pieces: Sequence[Buffer]) -> int:
     return int(h.intdigest())
 
 
-def pack_header(fingerprint: bytes, length: int, digest: int) -> bytes:
-    """A header for a payload of ``length`` bytes whose xxh3_64 is ``digest``."""
+def pack_header(fingerprint: bytes, length: int, digest: int, flags: int = 0, mac: bytes = _NO_MAC) -> bytes:
+    """A header for a payload of ``length`` bytes whose xxh3_64 is ``digest`` (``mac`` only with FLAG_MAC)."""
     if len(fingerprint) != FINGERPRINT_BYTES:
         raise ValueError(f"layout fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
-    return _HEADER.pack(MAGIC, FRAME_VERSION, 0, fingerprint, length, digest)
+    return _HEADER.pack(MAGIC, FRAME_VERSION, flags, fingerprint, length, digest, mac)
 
 
-def frame_header(fingerprint: bytes, payload: Buffer | Sequence[Buffer]) -> bytes:
-    """The header to write before ``payload`` (one buffer, or pieces stored back to back)."""
+def frame_header(fingerprint: bytes, payload: Buffer | Sequence[Buffer], key: FrameKey | None = None) -> bytes:
+    """The header to write before ``payload`` (one buffer, or pieces stored back to back); MACed with ``key``."""
     pieces: Sequence[Buffer] = [payload] if isinstance(payload, bytes | bytearray | memoryview) else payload
     length = sum(memoryview(p).nbytes for p in pieces)
-    return pack_header(fingerprint, length, checksum(pieces))
+    digest = checksum(pieces)
+    if key is None:
+        return pack_header(fingerprint, length, digest)
+    mac = key.mac()
+    for piece in pieces:
+        mac.update(piece)
+    mac.update(_FIELDS.pack(MAGIC, FRAME_VERSION, FLAG_MAC, fingerprint, length, digest))
+    return pack_header(fingerprint, length, digest, FLAG_MAC, mac.digest())
 
 
 def check_header(header: Buffer, fingerprint: bytes, expected_len: int) -> int:
-    """Validate a header against this layout; return the payload checksum it promises."""
-    view = memoryview(header)
+    """Validate a header against this layout; return the payload checksum it promises.
+
+    This checks the fields only (a MAC needs the payload: see :class:`PayloadHasher`).
+    """
+    view = memoryview(header).cast("B")
     if view.nbytes < HEADER_SIZE:
         raise CorruptObjectError("length", f"object of {view.nbytes} B is shorter than a {HEADER_SIZE} B header")
-    magic, version, reserved, layout, length, digest = _HEADER.unpack_from(view)
+    magic, version, flags, layout, length, digest, mac = _HEADER.unpack_from(view)
     if magic != MAGIC:
         raise CorruptObjectError("magic", f"expected {MAGIC!r}, got {bytes(magic)!r}")
     if version != FRAME_VERSION:
         raise CorruptObjectError("version", f"format version {version}, this kvdi reads {FRAME_VERSION}")
-    if reserved != 0:
-        raise CorruptObjectError("header", f"reserved field is {reserved}, expected 0")
+    if flags & ~FLAG_MAC:
+        raise CorruptObjectError("header", f"unknown flags {flags:#x}")
+    if (flags == FLAG_MAC) == (mac == _NO_MAC):  # a MAC flag with no MAC, or MAC bytes without the flag
+        raise CorruptObjectError("header", "the MAC flag and the MAC field disagree")
     if layout != fingerprint:
         raise CorruptObjectError("fingerprint", "object was written for another KV layout (model, dtype or block size)")
     if length != expected_len:
@@ -87,8 +136,45 @@ def check_header(header: Buffer, fingerprint: bytes, expected_len: int) -> int:
     return int(digest)
 
 
-def unframe(buf: Buffer, fingerprint: bytes, expected_len: int) -> memoryview:
-    """The payload of a whole frame, checked field by field; raises CorruptObjectError."""
+class PayloadHasher:
+    """Checks a payload that arrives in pieces against its frame header: ``update`` each piece, then ``verify``.
+
+    Without a key it compares the xxh3_64 checksum; with a key it requires a frame MACed under
+    that key and compares the MAC (constant time) instead.
+    """
+
+    def __init__(self, key: FrameKey | None = None) -> None:
+        self.key = key
+        self.nbytes = 0
+        self._mac = key.mac() if key is not None else None
+        self._xxh = xxhash.xxh3_64() if key is None else None
+
+    def update(self, piece: Buffer) -> None:
+        self.nbytes += memoryview(piece).nbytes
+        if self._mac is not None:
+            self._mac.update(piece)
+        elif self._xxh is not None:
+            self._xxh.update(piece)
+
+    def verify(self, header: Buffer, fingerprint: bytes, expected_len: int) -> None:
+        """Raise :class:`CorruptObjectError` unless header and payload form a valid frame for this reader."""
+        digest = check_header(header, fingerprint, expected_len)
+        if self.nbytes != expected_len:
+            raise CorruptObjectError("length", f"read {self.nbytes} B of payload, expected {expected_len} B")
+        view = memoryview(header).cast("B")
+        if self._mac is None:
+            if self._xxh is None or self._xxh.intdigest() != digest:
+                raise CorruptObjectError("checksum", "payload does not match its xxh3_64 checksum")
+            return
+        if view[6] & FLAG_MAC == 0:
+            raise CorruptObjectError("mac", "object carries no MAC but an integrity key is set")
+        self._mac.update(view[: _FIELDS.size])
+        if not hmac.compare_digest(self._mac.digest(), view[_FIELDS.size : HEADER_SIZE]):
+            raise CorruptObjectError("mac", "MAC does not verify under this integrity key (forged or other key)")
+
+
+def unframe(buf: Buffer, fingerprint: bytes, expected_len: int, key: FrameKey | None = None) -> memoryview:
+    """The payload of a whole frame, checked field by field (and its MAC with ``key``); raises CorruptObjectError."""
     view = memoryview(buf).cast("B")
     digest = check_header(view[:HEADER_SIZE], fingerprint, expected_len)
     if view.nbytes != HEADER_SIZE + expected_len:
@@ -96,27 +182,38 @@ def unframe(buf: Buffer, fingerprint: bytes, expected_len: int) -> memoryview:
         expected = HEADER_SIZE + expected_len
         raise CorruptObjectError("length", f"object of {view.nbytes} B {what} (expected {expected} B)")
     payload = view[HEADER_SIZE:]
-    if checksum([payload]) != digest:
-        raise CorruptObjectError("checksum", "payload does not match its xxh3_64 checksum")
+    if key is None:  # the common case: one call, no hasher object
+        if checksum([payload]) != digest:
+            raise CorruptObjectError("checksum", "payload does not match its xxh3_64 checksum")
+        return payload
+    hasher = PayloadHasher(key)
+    hasher.update(payload)
+    hasher.verify(view[:HEADER_SIZE], fingerprint, expected_len)
     return payload
 
 
-def verify_pieces(header: Buffer, pieces: Sequence[Buffer], fingerprint: bytes, expected_len: int) -> None:
+def verify_pieces(
+    header: Buffer, pieces: Sequence[Buffer], fingerprint: bytes, expected_len: int, key: FrameKey | None = None
+) -> None:
     """Check a frame that was read straight into ``pieces`` (its header read separately)."""
-    digest = check_header(header, fingerprint, expected_len)
-    got = sum(memoryview(p).nbytes for p in pieces)
-    if got != expected_len:
-        raise CorruptObjectError("length", f"read {got} B of payload, expected {expected_len} B")
-    if checksum(pieces) != digest:
-        raise CorruptObjectError("checksum", "payload does not match its xxh3_64 checksum")
+    hasher = PayloadHasher(key)
+    check_header(header, fingerprint, expected_len)  # header faults first, before hashing anything
+    for piece in pieces:
+        hasher.update(piece)
+    hasher.verify(header, fingerprint, expected_len)
 
 
 __all__ = [
+    "FLAG_MAC",
     "FRAME_VERSION",
     "HEADER_SIZE",
+    "MAC_BYTES",
     "MAGIC",
     "REASONS",
+    "Buffer",
     "CorruptObjectError",
+    "FrameKey",
+    "PayloadHasher",
     "check_header",
     "checksum",
     "frame_header",

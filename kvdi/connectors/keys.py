@@ -31,10 +31,22 @@ def chain_seed(fingerprint: bytes, salt: str | bytes | None = None) -> bytes:
     if salt is None:
         h.update(b"\x00")
     else:
-        raw = salt.encode() if isinstance(salt, str) else bytes(salt)
+        # surrogatepass: a lone surrogate in a request's cache_salt is still a distinct salt, never an error
+        raw = salt.encode("utf-8", "surrogatepass") if isinstance(salt, str) else bytes(salt)
         h.update(b"\x01" + len(raw).to_bytes(8, "little"))
         h.update(raw)
     return h.digest()
+
+
+def compose_salt(cache_salt: str | None, lora_name: str | None = None, mm_hashes: Sequence[str] = ()) -> str | None:
+    """One salt for a request's cache salt, LoRA adapter and multimodal inputs; None when it has none.
+
+    Each part is tagged and length-prefixed (``s5:hello|l3:ada|m8:...``), so two different
+    requests can never compose the same salt, whatever characters their parts contain.
+    """
+    parts = [("s", cache_salt), ("l", lora_name), *(("m", h) for h in mm_hashes)]
+    present = [f"{tag}{len(value)}:{value}" for tag, value in parts if value is not None]
+    return "|".join(present) if present else None
 
 
 def chain_keys(token_ids: Sequence[int], block_size: int, seed: bytes) -> list[bytes]:
@@ -62,4 +74,4 @@ def block_keys(token_ids: Sequence[int], layout: KVCacheSpec, salt: str | bytes 
     return chain_keys(token_ids, layout.block_size, chain_seed(layout.fingerprint(), salt))
 
 
-__all__ = ["KEY_BYTES", "block_keys", "chain_keys", "chain_seed"]
+__all__ = ["KEY_BYTES", "block_keys", "chain_keys", "chain_seed", "compose_salt"]

@@ -2,10 +2,18 @@
 
 Each object is one file named by its key in hex, under a two-character fan-out directory
 (``<root>/ab/ab12...``); names are derived from hashes only. Writers write a temporary file
-in the same directory and publish it with ``os.replace``, so readers (other threads, other
-processes, other engines sharing the directory) see a whole object or none, and concurrent
-writers of one key are safe (the last rename wins; both wrote the same bytes). Nothing is
-indexed in memory only, so the store survives restarts.
+(random name, ``O_EXCL``) in the same directory and publish it with ``os.replace``, so readers
+(other threads, other processes, other engines sharing the directory) see a whole object or
+none, and concurrent writers of one key are safe (the last rename wins; both wrote the same
+bytes). Nothing is indexed in memory only, so the store survives restarts.
+
+The store directory is hostile input. The root and the fan-out folders are opened once with
+``O_DIRECTORY | O_NOFOLLOW`` and every file operation is relative to those descriptors, so no
+symlink under the root is ever followed (a planted one is replaced by a real folder on the next
+write); objects are opened with ``O_NOFOLLOW | O_NONBLOCK`` and read only when their size is
+exactly one frame, so a socket, FIFO, symlink, directory or huge file in an object's place is
+a miss (dropped by the reader) that costs no more than one frame of memory. Files are created
+with ``mode`` (0600 by default) and folders with x added where r is set (0700).
 
 With ``max_bytes`` set, the store evicts least-recently-used objects (by mtime; reads touch
 it) once it grows past the cap, down to 90 % of it. Within one batch of blocks (a chain of
@@ -16,55 +24,95 @@ oldest, so eviction drops chains tail first and a surviving head stays loadable.
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import secrets
 import shutil
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from kvdi.connectors.framing import HEADER_SIZE, Buffer
+from kvdi.connectors.integrity import frame_key
+from kvdi.connectors.safe_dir import DIR_FLAGS, SafeDir
 from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvdi.layout import KVCacheSpec
     from kvdi.settings import KvdiSettings, SharedStorageSettings
 
-Buffer = bytes | bytearray | memoryview
+logger = logging.getLogger(__name__)
 
 LOW_WATERMARK = 0.9  # evict down to this fraction of max_bytes
 STALE_TEMP_S = 3600.0  # temp files older than this belong to dead writers
+DEFAULT_MODE = 0o600
+
+# O_NONBLOCK: a FIFO squatting on the name must not hang the engine (no-op for files).
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_ABSENT = (errno.ENOENT, errno.ENOTDIR)
+_NOT_A_FILE = (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EOPNOTSUPP, errno.ENODEV)
+_BACKEND_ERRORS = (OSError, ValueError, OverflowError, MemoryError)
 
 _R = TypeVar("_R")
 
 
-class FileBlockStore:
-    """A :class:`~kvdi.connectors.store.BlockStore` over a directory; safe across threads and processes."""
+def dir_mode(mode: int) -> int:
+    """The folder mode for a file ``mode``: x added wherever r is set (0600 -> 0700, 0640 -> 0750)."""
+    return mode | ((mode & 0o444) >> 2)
 
-    def __init__(self, root: Path, max_bytes: int | None = None) -> None:
+
+class FileBlockStore:
+    """A :class:`~kvdi.connectors.store.BlockStore` over a directory; safe across threads and processes.
+
+    ``object_bytes``: the one valid object size (a frame); objects of any other size are never
+    read (a miss the reader drops). ``mode``: file mode of new objects. ``root`` is created (mode
+    0700 for 0600 files) and opened on first use; while it cannot be opened as a real directory
+    (a symlink is refused), every call is a miss or a failed write, never an exception.
+    """
+
+    def __init__(
+        self, root: Path, max_bytes: int | None = None, *, mode: int = DEFAULT_MODE, object_bytes: int | None = None
+    ) -> None:
         self.root = root
-        self._root = os.fspath(root)
         self.max_bytes = max_bytes
+        self.mode = mode
+        self.object_bytes = object_bytes
+        self._dirs = SafeDir(root, dir_mode(mode))
         self._lock = threading.Lock()
-        self._approx_bytes = self.scan()[1] if max_bytes else 0
+        self._logged: set[str] = set()
+        self._approx_bytes = 0
+        if max_bytes:
+            with contextlib.suppress(OSError):
+                self._approx_bytes = self.scan()[1]
 
     def path_for(self, key: bytes) -> Path:
         """Where the object of ``key`` lives."""
-        return Path(self._path(key))
+        name = key.hex()
+        return self.root / name[:2] / name
 
-    def _path(self, key: bytes) -> str:
-        name = key.hex()  # hash-derived names only: nothing a prompt controls reaches the filesystem
-        return f"{self._root}/{name[:2]}/{name}"
+    def _log_once(self, what: str, message: str, *args: object) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            logger.warning("shared_storage %s: " + message + " (logged once)", self.root, *args)
 
     # -- reads ---------------------------------------------------------------------------------
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
+        """Leading keys with something under their name (an odd entry counts: loading it drops it)."""
         for n, key in enumerate(keys):
+            name = key.hex()
             try:
-                os.stat(self._path(key))
-            except (FileNotFoundError, NotADirectoryError):
+                sub = self._dirs.sub(name[:2], create=False)
+                if sub is None:
+                    return n
+                os.stat(name, dir_fd=sub, follow_symlinks=False)
+            except _BACKEND_ERRORS:
                 return n
         return len(keys)
 
@@ -89,31 +137,50 @@ class FileBlockStore:
     def _read_objects(
         self, keys: Sequence[bytes], read: Callable[[int, int, int], _R], not_object: _R
     ) -> list[_R | None]:
-        """``read(i, fd, size)`` each key's object: None where absent, ``not_object`` where the name is no file."""
+        """``read(i, fd, size)`` each key's object: None where absent or unreadable, ``not_object`` where odd.
+
+        Never raises: every failure is a miss of that one object.
+        """
         out: list[_R | None] = []
         stamp = time.time_ns()
         for i, key in enumerate(keys):
-            fd = self._open(key)
+            try:
+                fd = self._open(key)
+            except OSError as exc:
+                odd = exc.errno in _NOT_A_FILE
+                if not odd:
+                    self._log_once(f"read:{exc.errno}", "cannot open an object, treating it as a miss: %s", exc)
+                out.append(not_object if odd else None)
+                continue
             if fd is None:
                 out.append(None)
                 continue
             try:
                 st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    out.append(not_object)
+                size = st.st_size
+                if not stat.S_ISREG(st.st_mode) or (self.object_bytes and size != self.object_bytes):
+                    out.append(not_object)  # never read more than one frame of anything
                     continue
-                out.append(read(i, fd, st.st_size))
+                out.append(read(i, fd, size))
                 self._touch(fd, stamp + len(keys) - i)
+            except _BACKEND_ERRORS as exc:
+                self._log_once(f"read:{type(exc).__name__}", "reading an object failed, treating it as a miss: %s", exc)
+                out.append(None)
             finally:
                 os.close(fd)
         return out
 
     def _open(self, key: bytes) -> int | None:
-        try:
-            # O_NONBLOCK: a FIFO squatting on the name must not hang the engine (no-op for files).
-            return os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except (FileNotFoundError, NotADirectoryError):
+        name = key.hex()
+        sub = self._dirs.sub(name[:2], create=False)
+        if sub is None:
             return None
+        try:
+            return os.open(name, _READ_FLAGS, dir_fd=sub)
+        except OSError as exc:
+            if exc.errno in _ABSENT:
+                return None
+            raise
 
     def _touch(self, fd: int, stamp: int) -> None:
         if self.max_bytes:
@@ -122,35 +189,34 @@ class FileBlockStore:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> None:
-        """Publish each object atomically; every item is tried, then the first OSError is raised."""
-        first_error: OSError | None = None
-        written = 0
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
+        """Publish each object atomically; returns how many were written (failures are logged once, not raised)."""
+        written = count = 0
         stamp = time.time_ns()
         for i, (key, pieces) in enumerate(items):
             try:
                 written += self._put(key, pieces, stamp + len(items) - i)
-            except OSError as exc:
-                first_error = first_error or exc
+                count += 1
+            except _BACKEND_ERRORS as exc:
+                self._log_once(f"write:{type(exc).__name__}", "writing an object failed: %s", exc)
         if self.max_bytes and written:
             with self._lock:
                 self._approx_bytes += written
                 over = self._approx_bytes > self.max_bytes
             if over:
                 self.evict()
-        if first_error is not None:
-            raise first_error
+        return count
 
     def _put(self, key: bytes, pieces: Sequence[Buffer], stamp: int) -> int:
-        path = self._path(key)
-        parent, _, name = path.rpartition("/")
-        tmp = f"{parent}/.{name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        name = key.hex()
+        tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+        sub = self._dirs.sub(name[:2], create=True)
         try:
-            fd = os.open(tmp, flags, 0o644)
-        except FileNotFoundError:
-            os.makedirs(parent, exist_ok=True)
-            fd = os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, _TEMP_FLAGS, self.mode, dir_fd=sub)
+        except FileNotFoundError:  # the store was removed under us (e.g. rm -rf to clear it): reopen, once
+            self._dirs.reset()
+            sub = self._dirs.sub(name[:2], create=True)
+            fd = os.open(tmp, _TEMP_FLAGS, self.mode, dir_fd=sub)
         try:
             try:
                 size = _writev_full(fd, pieces)
@@ -158,49 +224,51 @@ class FileBlockStore:
                     os.utime(fd, ns=(stamp, stamp))
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=sub)
             raise
         return size
 
     def discard(self, key: bytes) -> None:
-        path = self._path(key)
-        try:
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                shutil.rmtree(path)  # something else squats on the object's name
-            else:
-                os.unlink(path)
-        except (FileNotFoundError, NotADirectoryError):
+        """Remove whatever sits under ``key``'s name (a squatting folder too, without following links)."""
+        name = key.hex()
+        sub = self._dirs.sub(name[:2], create=False)
+        if sub is None:
             return
+        try:
+            if stat.S_ISDIR(os.stat(name, dir_fd=sub, follow_symlinks=False).st_mode):
+                # fd-based rmtree (3.11+) never follows a link; on 3.10 a squatting folder stays and
+                # every read of it is a counted miss.
+                if sys.version_info >= (3, 11):
+                    shutil.rmtree(name, dir_fd=sub, ignore_errors=True)
+            else:
+                os.unlink(name, dir_fd=sub)
+        except OSError as exc:
+            if exc.errno not in _ABSENT:
+                raise
 
     # -- size cap ------------------------------------------------------------------------------
 
-    def scan(self) -> tuple[list[tuple[int, int, str]], int]:
-        """Every object as ``(mtime_ns, size, path)`` and their total size; removes stale temp files."""
-        objects: list[tuple[int, int, str]] = []
+    def scan(self) -> tuple[list[tuple[int, int, int, str]], int]:
+        """Every object as ``(mtime_ns, size, folder_fd, name)`` and their total size; removes stale temp files."""
+        objects: list[tuple[int, int, int, str]] = []
         total = 0
         stale_before = time.time_ns() - int(STALE_TEMP_S * 1e9)
-        try:
-            subdirs = [e for e in os.scandir(self.root) if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
-            return objects, 0
-        for sub in subdirs:
-            with contextlib.suppress(FileNotFoundError), os.scandir(sub.path) as entries:
-                for entry in entries:
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    if entry.name.startswith("."):
-                        if st.st_mtime_ns < stale_before:
-                            with contextlib.suppress(OSError):
-                                os.unlink(entry.path)
-                        continue
-                    if stat.S_ISREG(st.st_mode):
-                        objects.append((st.st_mtime_ns, st.st_size, entry.path))
-                        total += st.st_size
+        prefixes = [n for n, st in _entries(self._dirs.open()) if len(n) == 2 and stat.S_ISDIR(st.st_mode)]
+        for prefix in prefixes:
+            sub = self._dirs.sub(prefix, create=False)
+            if sub is None:
+                continue
+            for name, st in _entries(sub):
+                if name.startswith("."):
+                    if st.st_mtime_ns < stale_before:
+                        with contextlib.suppress(OSError):
+                            os.unlink(name, dir_fd=sub)
+                elif stat.S_ISREG(st.st_mode):
+                    objects.append((st.st_mtime_ns, st.st_size, sub, name))
+                    total += st.st_size
         return objects, total
 
     def evict(self) -> int:
@@ -212,11 +280,11 @@ class FileBlockStore:
             freed = 0
             if total > self.max_bytes:
                 target = int(self.max_bytes * LOW_WATERMARK)
-                for _mtime, size, path in sorted(objects):
+                for _mtime, size, sub, name in sorted(objects):
                     if total - freed <= target:
                         break
                     try:
-                        os.unlink(path)
+                        os.unlink(name, dir_fd=sub)
                     except FileNotFoundError:
                         continue  # another process evicted it
                     except OSError:
@@ -225,8 +293,37 @@ class FileBlockStore:
             self._approx_bytes = total - freed
             return freed
 
+    def check(self) -> str:
+        """Probe the folder (contract 3): open it and write, read and remove one object; OSError if it cannot serve."""
+        root = self._dirs.open()
+        probe = f".kvdi-check.{secrets.token_hex(8)}"
+        fd = os.open(probe, _TEMP_FLAGS, self.mode, dir_fd=root)
+        os.close(fd)
+        os.unlink(probe, dir_fd=root)
+        cap = f", cap {self.max_bytes} B" if self.max_bytes else ""
+        return f"shared_storage: {self.root} writable, files {self.mode:04o}, folders {self._dirs.mode:04o}{cap}"
+
+    def open(self) -> None:
+        """Create and open the root now (otherwise on first use); OSError when it is no real directory."""
+        self._dirs.open()
+
     def close(self) -> None:
-        """Nothing to release: every call opens and closes its own files."""
+        """Close the folder descriptors; the store must not be used afterwards."""
+        self._dirs.close()
+
+
+def _entries(dir_fd: int) -> list[tuple[str, os.stat_result]]:
+    """Names and lstat results of a folder's entries, listed through a descriptor of its own (own offset)."""
+    fd = os.open(".", DIR_FLAGS, dir_fd=dir_fd)
+    out: list[tuple[str, os.stat_result]] = []
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                with contextlib.suppress(FileNotFoundError):
+                    out.append((entry.name, entry.stat(follow_symlinks=False)))
+    finally:
+        os.close(fd)
+    return out
 
 
 def _advance(bufs: list[memoryview], n: int) -> None:
@@ -263,15 +360,21 @@ def _writev_full(fd: int, pieces: Sequence[Buffer]) -> int:
 
 def open_store(options: SharedStorageSettings, layout: KVCacheSpec, settings: KvdiSettings) -> FileBlockStore:
     """The backend factory named by the ``shared_storage`` spec: creates the directory if needed."""
+    frame_key(settings)  # a bad integrity key is a ConfigError when the backend is built (and in `kvdi check`)
     root = Path(options.path).expanduser()
+    store = FileBlockStore(root, options.max_bytes, mode=options.mode, object_bytes=HEADER_SIZE + layout.block_bytes)
     try:
-        os.makedirs(root, exist_ok=True)
+        store.open()  # now: a bad path is a ConfigError at build time, not a miss per call
     except OSError as exc:
+        store.close()
+        why = exc.strerror or str(exc)
+        if os.path.islink(root):
+            why = f"it is a symlink; point it at the real directory ({os.path.realpath(root)!r})"
         raise ConfigError(
-            f"KVDI_SHARED_STORAGE__PATH={str(root)!r}: cannot create the KV store directory "
-            f"({exc.strerror or exc}); point it at a writable directory"
+            f"KVDI_SHARED_STORAGE__PATH={str(root)!r}: cannot use it as the KV store directory ({why}); "
+            f"point it at a writable directory"
         ) from None
-    return FileBlockStore(root, options.max_bytes)
+    return store
 
 
-__all__ = ["FileBlockStore", "open_store"]
+__all__ = ["DEFAULT_MODE", "FileBlockStore", "dir_mode", "open_store"]

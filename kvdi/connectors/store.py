@@ -28,6 +28,7 @@ from kvdi.connectors.base import (
     loadable_tokens,
 )
 from kvdi.connectors.framing import HEADER_SIZE, CorruptObjectError, frame_header, unframe, verify_pieces
+from kvdi.connectors.integrity import frame_key
 from kvdi.connectors.keys import block_keys
 
 if TYPE_CHECKING:
@@ -227,6 +228,7 @@ class StoreWorkerConnector(WorkerConnector):
         self._read_into = isinstance(self.store, ReadIntoStore)  # a Protocol check is slow: once, here
         layout = context.layout
         self._fingerprint = layout.fingerprint()
+        self._key = frame_key(context.settings)  # None unless KVDI_INTEGRITY_KEY(_FILE) is set
         self._block_bytes = layout.block_bytes
         self._frame_bytes = HEADER_SIZE + layout.block_bytes
         self._chunk = max(1, CHUNK_BYTES // layout.block_bytes)
@@ -328,9 +330,9 @@ class StoreWorkerConnector(WorkerConnector):
                 if obj is None:  # read straight into the cache
                     if size != self._frame_bytes:
                         raise CorruptObjectError("length", f"object of {size} B, expected {self._frame_bytes} B")
-                    verify_pieces(chunk.headers[i], chunk.pieces[i], self._fingerprint, self._block_bytes)
+                    verify_pieces(chunk.headers[i], chunk.pieces[i], self._fingerprint, self._block_bytes, self._key)
                 else:
-                    io.copy_payload(unframe(obj, self._fingerprint, self._block_bytes), chunk.pieces[i])
+                    io.copy_payload(unframe(obj, self._fingerprint, self._block_bytes, self._key), chunk.pieces[i])
             except CorruptObjectError as exc:
                 self.stats.corrupt_dropped += 1
                 self._log_once(f"corrupt:{exc.reason}", "dropping a stored block: %s", exc)
@@ -373,19 +375,21 @@ class StoreWorkerConnector(WorkerConnector):
     def _frames(self, io: CacheIO, ids: Sequence[int], keys: Sequence[bytes]) -> list[tuple[bytes, Sequence[Buffer]]]:
         items: list[tuple[bytes, Sequence[Buffer]]] = []
         for piece_list, key in zip(io.save_pieces(ids), keys, strict=True):
-            items.append((key, [frame_header(self._fingerprint, piece_list), *piece_list]))
+            items.append((key, [frame_header(self._fingerprint, piece_list, self._key), *piece_list]))
         return items
 
     def _settle(self, count: int, finish: Callable[[], object]) -> None:
         """Run or wait for one put_many of ``count`` blocks and count the outcome; OSError is never raised."""
         try:
-            finish()
+            written = finish()
         except OSError as exc:
             self.stats.save_failures += count
             self._log_once(f"save:{type(exc).__name__}", "saving KV failed, blocks not stored: %s", exc)
             return
-        self.stats.saved_blocks += count
-        self.stats.saved_bytes += count * self._block_bytes
+        done = written if isinstance(written, int) else count  # put_many returns what it wrote (contract 2)
+        self.stats.save_failures += count - done
+        self.stats.saved_blocks += done
+        self.stats.saved_bytes += done * self._block_bytes
 
     def shutdown(self) -> None:
         if self._executor is not None:

@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -62,6 +62,10 @@ class KvdiSettings(BaseSettings):
     engine_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=256)
     kv_load_failure_policy: LoadFailurePolicy = "recompute"
     use_v1: bool = True
+    integrity_key: SecretStr | None = None
+    """A secret that makes every stored frame carry a keyed MAC (see README "Security")."""
+    integrity_key_file: Path | None = None
+    """A file holding the integrity key (owner-only, not a symlink); instead of ``integrity_key``."""
 
     allocator: AllocatorSettings = AllocatorSettings()
     model: ModelSettings = ModelSettings()

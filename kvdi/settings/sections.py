@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -123,6 +123,23 @@ class SharedStorageSettings(_Section):
 
     path: Path = Field(default_factory=default_cache_dir)
     max_bytes: int | None = Field(None, gt=0, le=MAX_STORE_BYTES)
+    mode: int = 0o600
+    """Mode of object files (octal, e.g. "0640" for a group-shared store); folders get x where r is set."""
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _mode(cls, value: Any) -> int:
+        text = str(value).strip().lower()
+        try:
+            mode = int(text.removeprefix("0o"), 8) if isinstance(value, str) else int(value)
+        except ValueError:
+            raise ValueError(f"mode must be octal file permissions such as 0600 or 0640, got {text!r}") from None
+        if isinstance(value, bool) or mode & ~0o666 or mode & 0o600 != 0o600:
+            raise ValueError(
+                "mode must be read/write permission bits only (no x, setuid, sticky), with the owner able to "
+                "read and write, e.g. 0600 (private) or 0640 (group can read)"
+            )
+        return mode
 
     @field_validator("path")
     @classmethod

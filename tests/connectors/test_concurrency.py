@@ -27,10 +27,11 @@ def run_worker(root: str, index: int, rounds: int, results: Any) -> None:
     """One process: alternately load (checking every loaded byte) and save the prompts, in its own order."""
     from kvdi_store_helpers import Engine, make_settings
 
+    from kvdi.connectors.framing import HEADER_SIZE
     from kvdi.connectors.keys import block_keys
     from kvdi.connectors.shared_storage import FileBlockStore
 
-    store = FileBlockStore(Path(root), max_bytes=40 * (LAYOUT.block_bytes + 40) if index % 2 else None)
+    store = FileBlockStore(Path(root), max_bytes=40 * (LAYOUT.block_bytes + HEADER_SIZE) if index % 2 else None)
     checked = torn = 0
     for r in range(rounds):
         prompt = PROMPTS[(index + r) % len(PROMPTS)]

@@ -9,7 +9,7 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdi.connectors.keys import KEY_BYTES, block_keys
+from kvdi.connectors.keys import KEY_BYTES, block_keys, compose_salt
 from kvdi.layout import KVCacheSpec
 
 LAYOUT = KVCacheSpec("m", 2, 2, 8, 4, "float32")
@@ -73,3 +73,29 @@ def test_keys_are_the_same_in_another_process_with_another_hash_seed() -> None:
 def test_token_boundaries_do_not_collide() -> None:
     a = KVCacheSpec("m", 1, 1, 1, 2, "float32")
     assert block_keys([1, 23], a) != block_keys([12, 3], a)
+
+
+def test_a_lone_surrogate_salt_gives_keys_distinct_from_other_salts() -> None:
+    ids = list(range(8))
+    lone = block_keys(ids, LAYOUT, "tenant-\ud800")
+    assert len(lone) == 2
+    assert lone != block_keys(ids, LAYOUT, "tenant-\udfff")
+    assert lone != block_keys(ids, LAYOUT, "tenant-")
+
+
+tricky = st.text(alphabet=st.one_of(st.characters(), st.sampled_from(["\ud800", "\udc00", "|", ":", "1", "s", "l"])))
+SaltInputs = tuple[str | None, str | None, tuple[str, ...]]
+salt_inputs = st.tuples(st.none() | tricky, st.none() | tricky, st.lists(tricky, max_size=3).map(tuple))
+
+
+@settings(max_examples=300, deadline=None)
+@given(salt_inputs, salt_inputs)
+def test_composed_salts_differ_whenever_the_inputs_differ(a: SaltInputs, b: SaltInputs) -> None:
+    assert (compose_salt(*a) == compose_salt(*b)) is (a == b)
+
+
+def test_composed_salt_is_none_only_without_any_part() -> None:
+    assert compose_salt(None) is None
+    assert compose_salt("") is not None
+    assert compose_salt(None, "adapter") != compose_salt("adapter")
+    assert compose_salt("a|l1:b") != compose_salt("a", "b")  # the separator inside a part cannot forge a part
