@@ -28,6 +28,7 @@ from kvdi.containers import (
 )
 from kvdi.errors import (
     AllocationError,
+    BackendUnavailableError,
     ConfigError,
     ConnectorImportError,
     DuplicateConnectorError,
@@ -46,6 +47,7 @@ __all__ = [
     "AllocationError",
     "AllocationPlan",
     "AllocatorContainer",
+    "BackendUnavailableError",
     "BlockTransferMetadata",
     "ConfigError",
     "ConnectorContext",

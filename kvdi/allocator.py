@@ -64,8 +64,9 @@ def plan_allocation(
 ) -> AllocationPlan:
     """The plan for ``spec`` on the resolved ``device``; pure (no torch, no memory probe).
 
-    ``free_bytes`` is the device's free memory, needed only when ``settings.num_blocks`` is
-    unset. Raises AllocationError when no block fits the budget.
+    ``free_bytes`` is the device's free memory (needed when ``settings.num_blocks`` is unset; when
+    given, a plan larger than it is refused). Raises AllocationError when no block fits the budget
+    or the cache would not fit the free memory.
     """
     per_block = spec.block_bytes
     s = settings
@@ -87,6 +88,14 @@ def plan_allocation(
         )
     on_cuda = device.startswith("cuda")
     staging = STAGING_BLOCKS * per_block if on_cuda else 0
+    needed = num_blocks * per_block + staging
+    if free_bytes is not None and needed > free_bytes:
+        knob = "NUM_BLOCKS" if s.num_blocks is not None else "MEMORY_FRACTION"
+        fix = f"lower KVDI_ALLOCATOR__{knob}"
+        raise AllocationError(
+            f"the KV cache plan needs {needed} B ({num_blocks} blocks x {per_block} B, {source}) but only "
+            f"{free_bytes} B are free on {device}; {fix}"
+        )
     return AllocationPlan(
         device, num_blocks, per_block, num_blocks * per_block, staging, budget, source, on_cuda and s.pin_memory
     )
@@ -165,8 +174,7 @@ class GpuBufferAllocator:
         """Blocks, bytes and device; raises AllocationError if no block fits. Allocates nothing."""
         if self._plan is None:
             device = resolve_device(self.settings.device)
-            free = free_memory_bytes(device) if self.settings.num_blocks is None else None
-            self._plan = plan_allocation(self.spec, self.settings, device, free)
+            self._plan = plan_allocation(self.spec, self.settings, device, free_memory_bytes(device))
             self._staging.pin_memory = self._plan.staging_pinned
         return self._plan
 

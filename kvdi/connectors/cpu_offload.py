@@ -180,7 +180,7 @@ def open_store(options: CpuOffloadSettings, layout: KVCacheSpec, settings: KvdiS
             f"layout is {frame_bytes} B; raise it to at least {frame_bytes}"
         )
     frame_key(settings)  # a bad integrity key is a ConfigError when the backend is built (and in `kvdi check`)
-    return HostPoolStore(num_slots, frame_bytes, pin_memory=_cuda_available())
+    return HostPoolStore(num_slots, frame_bytes, pin_memory=settings.allocator.pin_memory and _cuda_available())
 
 
 def _cuda_available() -> bool:

@@ -100,9 +100,10 @@ class DictStore:
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | bytearray | memoryview | None]:
         return [self.objects.get(k) for k in keys]
 
-    def put_many(self, items: Sequence[tuple[bytes, Sequence[bytes | bytearray | memoryview]]]) -> None:
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[bytes | bytearray | memoryview]]]) -> int:
         for key, pieces in items:
             self.objects[key] = b"".join(bytes(p) for p in pieces)
+        return len(items)
 
     def discard(self, key: bytes) -> None:
         self.objects.pop(key, None)
