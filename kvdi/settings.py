@@ -128,6 +128,8 @@ class RedisSettings(_Section):
     op_timeout_s: float = Field(2.0, gt=0)
     breaker_failures: int = Field(3, gt=0)
     breaker_reset_s: float = Field(5.0, gt=0)
+    cluster: bool = False
+    read_from_replicas: bool = False
 
     @field_validator("url")
     @classmethod
