@@ -189,13 +189,13 @@ class RedisClusterBlockStore:
                 try:
                     self._cluster = self._connect()
                 except Exception as exc:
-                    if self._reach.record_failure():
-                        logger.warning(
-                            "redis cluster at %s unreachable (%s); loads miss for %ss", self.url, describe(exc),
-                            self._reach.reset_s,
-                        )  # fmt: skip
+                    if self._reach.record_failure() and "reach" not in self._logged:
+                        self._logged.add("reach")
+                        logger.warning("redis cluster at %s unreachable (%s); loads miss until it answers", self.url,
+                                       describe(exc))  # fmt: skip
                     return None
-                self._reach.record_success()
+                if self._reach.record_success():
+                    logger.info("redis cluster at %s answers again", self.url)
                 self._stale = False
             elif self._stale and time.monotonic() >= self._next_refresh:
                 self._stale = False
