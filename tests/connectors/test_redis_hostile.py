@@ -18,7 +18,14 @@ import pytest
 redis = pytest.importorskip("redis")
 torch = pytest.importorskip("torch")
 
-from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, KVRequest, run_transfer_step  # noqa: E402
+from kvdi.connectors.base import (  # noqa: E402
+    BlockTransfer,
+    BlockTransferMetadata,
+    KVRequest,
+    SchedulerConnector,
+    WorkerConnector,
+    run_transfer_step,
+)
 from kvdi.connectors.framing import HEADER_SIZE  # noqa: E402
 from kvdi.connectors.keys import block_keys  # noqa: E402
 from kvdi.connectors.redis import RedisBlockStore  # noqa: E402
@@ -151,6 +158,7 @@ def save_then_load(url: str, break_reads: Callable[[], None] | None = None) -> t
         keys = tuple(block_keys(PROMPT, layout))
         ids = tuple(range(len(keys)))
         worker = saver.worker_connector()
+        assert isinstance(worker, WorkerConnector)
         worker.register_kv_caches(source)
         run_transfer_step(worker, BlockTransferMetadata(saves=(BlockTransfer("p", ids, keys),)))
         if break_reads is not None:
@@ -158,8 +166,10 @@ def save_then_load(url: str, break_reads: Callable[[], None] | None = None) -> t
         loader = build_kv_container(**settings(url))
         containers.append(loader)
         scheduler = loader.scheduler_connector()
+        assert isinstance(scheduler, SchedulerConnector)
         scheduler.get_num_new_matched_tokens(KVRequest("c", tuple(PROMPT)), 0)  # must not raise either
         half = loader.worker_connector()
+        assert isinstance(half, WorkerConnector)
         half.register_kv_caches({n: torch.zeros(NUM_BLOCKS, *layout.block_shape) for n in layout.layer_names})
         failed = run_transfer_step(half, BlockTransferMetadata(loads=(BlockTransfer("c", ids, keys),)))
         return half.stats, failed
