@@ -326,21 +326,27 @@ class RedisClusterServers:
         return reply if isinstance(reply, int) else -1
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
-        """Wait until every running node says ``cluster_state:ok``, its slots are all assigned, replicas in sync."""
+        """Wait until every running node says ``cluster_state:ok``, knows every live replica, replicas in sync."""
         deadline = time.monotonic() + timeout_s
         last: object = None
         while time.monotonic() < deadline:
             try:
-                if all(self._serving(n) for n in self.running()):
+                replicas = sum(self.role(n) == "slave" for n in self.running())
+                if all(self._serving(n, replicas) for n in self.running()):
                     return
             except OSError as exc:
                 last = exc
             time.sleep(0.1)
         raise RedisServerError(f"redis cluster did not reach cluster_state:ok in {timeout_s}s ({last})")
 
-    def _serving(self, node: RedisServer) -> bool:
+    def _serving(self, node: RedisServer, replicas: int) -> bool:
+        """Whether ``node`` serves every slot, knows all ``replicas`` (clients read its slot map) and is in sync."""
         info = command(node.port, "CLUSTER", "INFO")
         if not isinstance(info, bytes) or b"cluster_state:ok" not in info or b"cluster_slots_ok:16384" not in info:
+            return False
+        nodes = command(node.port, "CLUSTER", "NODES")
+        flags = [line.split()[2].split(b",") for line in nodes.splitlines()] if isinstance(nodes, bytes) else []
+        if sum(b"slave" in f and b"fail" not in f for f in flags) != replicas:
             return False
         if self.role(node) != "slave":
             return True

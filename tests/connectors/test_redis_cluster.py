@@ -203,6 +203,10 @@ def test_after_failover_hits_resume_without_a_new_store(make_store: Callable[...
         store = make_store(replicated)
         store.put_many([(k, framed(i)) for i, k in enumerate(KEYS)])
         _wait_replicated(replicated)
+        from_replicas = make_store(replicated, read_from_replicas=True)  # READONLY connections, round robin
+        for _ in range(2):  # twice: each slot's master, then its replica
+            assert from_replicas.get_many(KEYS) == [b"".join(framed(i)) for i in range(len(KEYS))]
+        assert len(from_replicas.breakers) == 6  # every node served some reads
         groups = by_master(replicated, store, KEYS)
         victim = next(n for n in replicated.nodes if n.port in groups)
         victim.kill()
@@ -220,18 +224,20 @@ def test_after_failover_hits_resume_without_a_new_store(make_store: Callable[...
 
 
 def _wait_replicated(on: RedisClusterServers) -> None:
-    """Wait until every replica holds as many keys as its master."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    """Wait until every replica holds as many keys as its master, and clients are told about the replicas."""
+    deadline = time.monotonic() + 20
+    synced = listed = False
+    while time.monotonic() < deadline and not (synced and listed):
         pairs = []
         for node in on.running():
             role = command(node.port, "ROLE")
             if isinstance(role, list) and role[0] == b"slave":
                 pairs.append((on.dbsize(node), command(int(role[2]), "DBSIZE")))
-        if pairs and all(mine == theirs for mine, theirs in pairs):
-            return
+        synced = bool(pairs) and all(mine == theirs for mine, theirs in pairs)
+        shards = command(on.nodes[0].port, "CLUSTER", "SLOTS")  # omits replicas still syncing
+        listed = isinstance(shards, list) and all(len(shard) > 3 for shard in shards)
         time.sleep(0.05)
-    raise AssertionError("replicas did not catch up")
+    assert synced and listed, f"replicas in sync: {synced}, listed in CLUSTER SLOTS: {listed}"
 
 
 # The reference engine and the CLI on a cluster

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 redis = pytest.importorskip("redis")
 torch = pytest.importorskip("torch")
@@ -29,7 +31,7 @@ from kvdi.connectors.base import (  # noqa: E402
 from kvdi.connectors.framing import HEADER_SIZE  # noqa: E402
 from kvdi.connectors.keys import block_keys  # noqa: E402
 from kvdi.connectors.redis import RedisBlockStore  # noqa: E402
-from kvdi.connectors.redis.wire import BAD_OBJECT  # noqa: E402
+from kvdi.connectors.redis.wire import BAD_OBJECT, object_or_none, present, written  # noqa: E402
 from kvdi.containers import KVTransferContainer, build_engine_container, build_kv_container  # noqa: E402
 from kvdi.settings import RedisSettings  # noqa: E402
 from kvdi.testing.redis_server import RedisServer  # noqa: E402
@@ -307,3 +309,17 @@ def test_engine_on_a_server_answering_reads_with_integers_matches_recompute(
     assert all(o.ok for run in outputs for o in run)
     assert outputs[2][0].output_token_ids == outputs[0][0].output_token_ids
     assert stats.corrupt_dropped >= 1 and stats.loaded_blocks == 0
+
+
+_replies = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.binary(max_size=64) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.binary(max_size=4), inner, max_size=3),
+    max_leaves=8,
+) | st.builds(redis.ResponseError, st.text(max_size=8))
+
+
+@given(_replies, st.integers(min_value=0, max_value=64))
+def test_reply_classifiers_never_raise_and_never_return_more_than_one_frame(reply: object, limit: int) -> None:
+    value = object_or_none(reply, limit)
+    assert value is None or (isinstance(value, bytes | bytearray) and len(value) <= limit + 1)
+    assert isinstance(present(reply), bool) and isinstance(written(reply), bool)
