@@ -223,6 +223,26 @@ def test_after_failover_hits_resume_without_a_new_store(make_store: Callable[...
         replicated.stop()
 
 
+def test_a_hung_master_is_a_miss_for_its_keys_and_serves_again_when_it_wakes(
+    cluster: RedisClusterServers, make_store: Callable[..., RedisClusterBlockStore]
+) -> None:
+    store = make_store(cluster)
+    store.put_many([(k, framed(i)) for i, k in enumerate(KEYS)])
+    groups = by_master(cluster, store, KEYS)
+    victim = next(n for n in cluster.nodes if n.port in groups)
+    victim.freeze()  # SIGSTOP: it keeps its sockets and answers nothing
+    try:
+        hung = store.get_many(KEYS)  # its share times out after op_timeout_s; the others load
+    finally:
+        victim.thaw()
+    assert [i for i, v in enumerate(hung) if v is None] == groups[victim.port]
+    for _ in range(100):  # bounded: its breaker lets a probe through after breaker_reset_s
+        if None not in store.get_many(KEYS):
+            break
+        time.sleep(0.05)
+    assert store.get_many(KEYS) == [b"".join(framed(i)) for i in range(len(KEYS))]
+
+
 def _wait_replicated(on: RedisClusterServers) -> None:
     """Wait until every replica holds as many keys as its master, and clients are told about the replicas."""
     deadline = time.monotonic() + 20

@@ -88,6 +88,7 @@ class RedisClusterBlockStore:
         self._reach = self._breaker()  # reaching the cluster at all (the first slot map)
         self._nodes: dict[str, RedisNode] = {}
         self._stale = False
+        self._last_failed: str | None = None  # asked last when the slot map is read again
         self._next_refresh = 0.0
         self._logged: set[str] = set()
 
@@ -201,7 +202,7 @@ class RedisClusterBlockStore:
                 self._stale = False
                 self._next_refresh = time.monotonic() + self._options.breaker_reset_s
                 try:
-                    self._cluster.nodes_manager.initialize()
+                    self._cluster.nodes_manager.initialize(last_failed_node_name=self._last_failed)
                 except Exception as exc:
                     self._stale = True
                     logger.warning("redis cluster at %s: reading the slot map failed (%s)", self.url, describe(exc))
@@ -211,7 +212,7 @@ class RedisClusterBlockStore:
         client = cluster.get_redis_connection(node)
         known = self._nodes.get(node.name)
         if known is None:
-            known = self._nodes[node.name] = RedisNode(client, f"cluster node {node.name}", self._breaker())
+            known = self._nodes[node.name] = RedisNode(client, f"cluster node {node.name}", self._breaker(), node.name)
         elif known.client is not client:
             known.client = client  # the slot map was read again: redis-py made new clients
         return known
@@ -255,6 +256,7 @@ class RedisClusterBlockStore:
                 self.missed_keys += len(index)
                 if not isinstance(result, BreakerOpenError):
                     self._stale = True  # a failover may be under way: read the slot map again soon
+                    self._last_failed = exchange.node.address
             elif result is not None and any(redirected(r) for r in result):
                 self._stale = True
         return runs

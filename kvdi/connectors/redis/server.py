@@ -84,10 +84,11 @@ class RedisNode:
     ``exchange.result``, an ``OSError`` when the node failed or its breaker is open.
     """
 
-    def __init__(self, client: redis.Redis, label: str, breaker: CircuitBreaker) -> None:
+    def __init__(self, client: redis.Redis, label: str, breaker: CircuitBreaker, address: str = "") -> None:
         self.client = client
         self.label = label
         self.breaker = breaker
+        self.address = address  # host:port of a cluster node ("" for a single server)
 
     def run(self, exchange: Exchange) -> Exchange:
         """:meth:`send` and :meth:`receive` one exchange."""
