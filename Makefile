@@ -31,11 +31,12 @@ test-vllm:
 test-gpu:
 	bash .ci/gpu-check.sh
 
-# redis-server is a real server the tests start on loopback; install it when we can (root + apt).
+# redis-server is a real server the tests start on loopback (redis-cli creates the test clusters);
+# install it when we can (root + apt).
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then apt-get update -q && apt-get install -y -q redis-server; \
-	  else echo "redis-server is missing: install it (e.g. sudo apt-get install -y redis-server)"; exit 1; fi; }
+	  else echo "redis-server or redis-cli is missing: install them (e.g. sudo apt-get install -y redis-server)"; exit 1; fi; }
 
 test: system-deps lint test-unit test-vllm
 

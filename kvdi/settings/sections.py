@@ -177,6 +177,10 @@ class RedisSettings(_Section):
     op_timeout_s: float = duration_field(2.0)
     breaker_failures: int = Field(3, gt=0, le=1_000_000)
     breaker_reset_s: float = duration_field(5.0)
+    cluster: bool = False
+    """``url`` names any startup node of a Redis Cluster (keys spread over its hash slots)."""
+    read_from_replicas: bool = False
+    """On a cluster, read from replicas too (writes always go to masters)."""
 
     @field_validator("url")
     @classmethod

@@ -6,8 +6,14 @@ in a temporary directory, waits until it answers ``PING``, and stops it on exit.
 the same port, or :meth:`~RedisServer.freeze` it (SIGSTOP, as a hung server). It talks to the
 server over a raw socket, so it needs no redis-py.
 
+:class:`RedisClusterServers` starts a Redis Cluster the same way (``--cluster-enabled yes``
+per node, ``redis-cli --cluster create``), optionally with replicas, and waits until it
+serves; :func:`command` sends one command to a node.
+
     with RedisServer(password="secret") as server:
         store = open_store(RedisSettings(url=server.url), ...)
+    with RedisClusterServers(masters=3, replicas=1) as cluster:
+        store = open_store(RedisSettings(url=cluster.url, cluster=True), ...)
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 INSTALL_HINT = "install it with: apt-get install -y redis-server (or brew install redis)"
 _PING_REPLIES = (b"+PONG", b"-NOAUTH")  # a password-protected server refuses PING but is up
@@ -210,3 +217,149 @@ class RedisServer:
             except OSError:
                 continue
         return " | ".join(lines) or "no log"
+
+
+def command(port: int, *args: str, password: str | None = None, timeout: float = 2.0) -> object:
+    """Send one command to ``127.0.0.1:port`` over a raw socket; the reply as int, bytes, list, or RedisServerError."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        stream = sock.makefile("rb")
+        if password:
+            sock.sendall(_pack("AUTH", password))
+            _read_reply(stream)
+        sock.sendall(_pack(*args))
+        return _read_reply(stream)
+
+
+def _pack(*args: str) -> bytes:
+    parts = [a.encode() for a in args]
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+
+
+def _read_reply(stream: BinaryIO) -> object:
+    line = stream.readline().rstrip(b"\r\n")
+    kind, rest = line[:1], line[1:]
+    if kind == b"+":
+        return rest
+    if kind == b"-":
+        return RedisServerError(rest.decode(errors="replace"))
+    if kind == b":":
+        return int(rest)
+    if kind == b"$":
+        size = int(rest)
+        return None if size < 0 else stream.read(size + 2)[:size]
+    if kind == b"*":
+        count = int(rest)
+        return None if count < 0 else [_read_reply(stream) for _ in range(count)]
+    raise RedisServerError(f"unexpected reply from redis-server: {line[:40]!r}")
+
+
+class RedisClusterServers:
+    """A throwaway Redis Cluster on loopback: ``masters`` nodes (and ``replicas`` per master), stopped by pid.
+
+    Each node is a :class:`RedisServer` started with ``--cluster-enabled yes`` (its own client
+    and bus ports, config file in its own directory); ``redis-cli --cluster create ...
+    --cluster-yes`` joins them, and :meth:`start` returns once every node says
+    ``cluster_state:ok`` (and every replica is in sync). ``node_timeout_ms`` is short so a
+    killed master fails over in about a second.
+    """
+
+    def __init__(
+        self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000, start_timeout_s: float = 60.0
+    ) -> None:
+        self.master_count = masters
+        self.replica_count = replicas
+        self.node_timeout_ms = node_timeout_ms
+        self.start_timeout_s = start_timeout_s
+        self.nodes: list[RedisServer] = []
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:PORT/0`` of the first node (any node will do as a startup node)."""
+        return self.nodes[0].url
+
+    def start(self) -> RedisClusterServers:
+        """Start every node, create the cluster and wait until it serves; stops what it started on failure."""
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RedisServerError(f"redis-cli not found; {INSTALL_HINT}")
+        try:
+            for _ in range(self.master_count * (1 + self.replica_count)):
+                bus = free_port()
+                args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port", str(bus),
+                        "--cluster-node-timeout", str(self.node_timeout_ms))  # fmt: skip
+                self.nodes.append(RedisServer(extra_args=args).start())
+            create = [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-yes"]
+            if self.replica_count:
+                create += ["--cluster-replicas", str(self.replica_count)]
+            done = subprocess.run(create, capture_output=True, timeout=self.start_timeout_s, check=False)
+            if done.returncode != 0:
+                output = (done.stdout + done.stderr)[-400:].decode(errors="replace")
+                raise RedisServerError(f"redis-cli --cluster create failed: {output}")
+            self.wait_ok(self.start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop every node (by pid) and remove their directories."""
+        for node in self.nodes:
+            node.stop()
+        self.nodes = []
+
+    def running(self) -> list[RedisServer]:
+        """The nodes whose process is alive."""
+        return [n for n in self.nodes if n.running]
+
+    def role(self, node: RedisServer) -> str:
+        """``master`` or ``slave`` (from ``ROLE``)."""
+        reply = command(node.port, "ROLE")
+        return bytes(reply[0]).decode() if isinstance(reply, list) and reply else "unknown"
+
+    def masters(self) -> list[RedisServer]:
+        """The running nodes that are masters now."""
+        return [n for n in self.running() if self.role(n) == "master"]
+
+    def dbsize(self, node: RedisServer) -> int:
+        """How many keys ``node`` holds."""
+        reply = command(node.port, "DBSIZE")
+        return reply if isinstance(reply, int) else -1
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Wait until every running node says ``cluster_state:ok``, knows every live replica, replicas in sync."""
+        deadline = time.monotonic() + timeout_s
+        last: object = None
+        while time.monotonic() < deadline:
+            try:
+                replicas = sum(self.role(n) == "slave" for n in self.running())
+                if all(self._serving(n, replicas) for n in self.running()):
+                    return
+            except OSError as exc:
+                last = exc
+            time.sleep(0.1)
+        raise RedisServerError(f"redis cluster did not reach cluster_state:ok in {timeout_s}s ({last})")
+
+    def _serving(self, node: RedisServer, replicas: int) -> bool:
+        """Whether ``node`` serves every slot, knows all ``replicas`` (clients read its slot map) and is in sync."""
+        info = command(node.port, "CLUSTER", "INFO")
+        if not isinstance(info, bytes) or b"cluster_state:ok" not in info or b"cluster_slots_ok:16384" not in info:
+            return False
+        nodes = command(node.port, "CLUSTER", "NODES")
+        flags = [line.split()[2].split(b",") for line in nodes.splitlines()] if isinstance(nodes, bytes) else []
+        if sum(b"slave" in f and b"fail" not in f for f in flags) != replicas:
+            return False
+        if self.role(node) != "slave":
+            return True
+        replication = command(node.port, "INFO", "replication")
+        return isinstance(replication, bytes) and b"master_link_status:up" in replication
+
+    def __enter__(self) -> RedisClusterServers:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"RedisClusterServers({[n.port for n in self.nodes]}, masters={self.master_count})"

@@ -333,10 +333,16 @@ def test_store_recovers_after_restart_and_reset_time(redis_server: RedisServer, 
 
 
 def test_open_store_builds_the_store_from_settings(redis_server: RedisServer) -> None:
+    """One server by default; every read bounded by the layout's frame size (plus room for a trailer)."""
+    from kvdi.layout import KVCacheSpec
+    from kvdi.connectors.redis import FRAME_ROOM
+
     settings = load_settings(kv_connector="redis", redis={"url": redis_server.url})
-    store = open_store(settings.redis, None, settings)  # type: ignore[arg-type]
+    layout = KVCacheSpec.from_settings(settings)
+    store = open_store(settings.redis, layout, settings)
     try:
         assert isinstance(store, RedisBlockStore)
+        assert store.max_object_bytes == HEADER_SIZE + layout.block_bytes + FRAME_ROOM
     finally:
         store.close()
 

@@ -1,0 +1,54 @@
+"""The ``redis`` connector's backend: one Redis key per framed block, on one server or a Redis Cluster.
+
+:func:`open_store` is the ``backend`` target of the ``redis`` connector spec; the generic
+halves in :mod:`kvdi.connectors.store` do the rest. ``KVDI_REDIS__CLUSTER`` picks
+:class:`RedisBlockStore` (one server, :mod:`.server`) or :class:`RedisClusterBlockStore`
+(:mod:`.cluster`); both bound every read to one frame, check every reply's type, and put
+each server behind a :class:`CircuitBreaker` (:mod:`.breaker`). This package is the only
+part of kvdi that imports ``redis``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvdi.connectors.framing import HEADER_SIZE
+from kvdi.connectors.redis.breaker import BreakerOpenError, BreakerState, CircuitBreaker
+from kvdi.connectors.redis.cluster import RedisClusterBlockStore
+from kvdi.connectors.redis.server import RedisBlockStore, RedisNode
+from kvdi.connectors.redis.wire import send_gathered
+from kvdi.masking import MASK, mask_url
+
+if TYPE_CHECKING:
+    from kvdi.layout import KVCacheSpec
+    from kvdi.settings import KvdiSettings, RedisSettings
+
+FRAME_ROOM = 64
+"""Bytes a read may return beyond header + payload (room for a trailer such as a keyed MAC);
+reads never return more than ``HEADER_SIZE + block_bytes + FRAME_ROOM + 1`` bytes per object."""
+
+
+def open_store(
+    options: RedisSettings, layout: KVCacheSpec, settings: KvdiSettings
+) -> RedisBlockStore | RedisClusterBlockStore:
+    """The ``redis`` connector's backend: a store on the server or cluster ``KVDI_REDIS__URL`` names (lazy)."""
+    del settings  # keys are already seeded with the layout fingerprint
+    limit = HEADER_SIZE + layout.block_bytes + FRAME_ROOM
+    if options.cluster:
+        return RedisClusterBlockStore(options, max_object_bytes=limit)
+    return RedisBlockStore(options, max_object_bytes=limit)
+
+
+__all__ = [
+    "FRAME_ROOM",
+    "MASK",
+    "BreakerOpenError",
+    "BreakerState",
+    "CircuitBreaker",
+    "RedisBlockStore",
+    "RedisClusterBlockStore",
+    "RedisNode",
+    "mask_url",
+    "open_store",
+    "send_gathered",
+]

@@ -1,0 +1,327 @@
+"""One Redis server: :class:`RedisNode` (the calls, behind a breaker) and :class:`RedisBlockStore` over it.
+
+Each block is one key (``key_prefix`` + hex of the block key) written with a single ``SET``
+(``EX`` when ``ttl_s`` is set), so a reader sees a whole object or nothing. Batches travel
+as one packed pipeline per server (one round trip), never in a transaction. Lookups use
+``STRLEN`` (an existence check that also sees empty values as absent); reads use
+``GETRANGE key 0 limit`` when the frame size is known, so a huge value costs at most one
+frame of memory. Replies are read raw and classified (:mod:`.wire`): a reply of the wrong
+type is a bad object or a miss, never an exception from redis-py's callbacks.
+
+A dead or hung server costs a miss, not a stall: every call is bounded by
+``connect_timeout_s`` / ``op_timeout_s`` and never retried, and after
+``breaker_failures`` consecutive failures the node stops calling the server for
+``breaker_reset_s`` (reads answer as misses, writes raise :class:`ConnectionError` at
+once). Failures surface as builtin :class:`ConnectionError` / :class:`TimeoutError` /
+:class:`OSError` (anything redis-py raises on a garbled or unexpected reply included), and
+the URL's password is shown as ``***`` everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, overload
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvdi.connectors.framing import Buffer
+from kvdi.connectors.redis.breaker import BreakerOpenError, CircuitBreaker
+from kvdi.connectors.redis.wire import describe, object_or_none, pack_sets, present, send_gathered, written
+from kvdi.errors import ConfigError
+from kvdi.masking import mask_url
+
+if TYPE_CHECKING:
+    from kvdi.settings import RedisSettings
+
+logger = logging.getLogger(__name__)
+
+def client_options(options: RedisSettings) -> dict[str, Any]:
+    """redis-py keyword arguments every kvdi connection uses: bounded timeouts, no retries, no health pings."""
+    return {
+        "socket_connect_timeout": options.connect_timeout_s,
+        "socket_timeout": options.op_timeout_s,
+        "health_check_interval": 0,
+    }
+
+
+def pack_command(*args: bytes) -> bytes:
+    """One command in RESP (arguments already bytes)."""
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
+@dataclass
+class Exchange:
+    """One server's share of a batch: packed commands out, raw replies (or the failure) back."""
+
+    node: RedisNode
+    chunks: list[Buffer]
+    replies: int
+    op: str
+    result: list[object] | OSError | None = None
+    _conn: Any = field(default=None, repr=False)
+
+
+class RedisNode:
+    """One Redis server behind its own circuit breaker; safe to share across threads.
+
+    :meth:`send` then :meth:`receive` run an :class:`Exchange` (callers send to every node of
+    a batch first, then read, as a cluster pipeline does). Neither raises: the outcome is in
+    ``exchange.result``, an ``OSError`` when the node failed or its breaker is open.
+    """
+
+    def __init__(self, client: redis.Redis, label: str, breaker: CircuitBreaker, address: str = "") -> None:
+        self.client = client
+        self.label = label
+        self.breaker = breaker
+        self.address = address  # host:port of a cluster node ("" for a single server)
+
+    def run(self, exchange: Exchange) -> Exchange:
+        """:meth:`send` and :meth:`receive` one exchange."""
+        self.send(exchange)
+        self.receive(exchange)
+        return exchange
+
+    def send(self, exchange: Exchange) -> None:
+        if not self.breaker.allow():
+            exchange.result = BreakerOpenError(
+                f"redis at {self.label}: {exchange.op} refused, circuit breaker open after "
+                f"{self.breaker.threshold} consecutive failures (retrying after {self.breaker.reset_s}s)"
+            )
+            return
+        pool: Any = self.client.connection_pool
+        try:
+            try:
+                conn = pool.get_connection()
+            except TypeError:  # redis-py < 5.3 wants a command name
+                conn = pool.get_connection("SET")
+        except Exception as exc:
+            exchange.result = self._failed(exchange.op, exc)
+            return
+        exchange._conn = conn
+        try:
+            sock = getattr(conn, "_sock", None)
+            if type(sock) is socket.socket and hasattr(sock, "sendmsg"):
+                # One gathered syscall for many pieces instead of one sendall each. TLS sockets
+                # (a subclass) and platforms without sendmsg take redis-py's own path.
+                send_gathered(sock, exchange.chunks)
+            else:
+                conn.send_packed_command(exchange.chunks, check_health=False)
+        except Exception as exc:
+            exchange.result = self._failed(exchange.op, exc)
+            self._drop(exchange)
+
+    def receive(self, exchange: Exchange) -> None:
+        if exchange.result is not None:
+            return
+        conn = exchange._conn
+        replies: list[object] = []
+        try:
+            for _ in range(exchange.replies):
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as exc:  # an error reply for one command (WRONGTYPE, OOM, MOVED...)
+                    replies.append(exc)
+        except Exception as exc:  # a dead socket, a timeout, or a reply redis-py could not parse
+            exchange.result = self._failed(exchange.op, exc)
+            self._drop(exchange)
+            return
+        self.client.connection_pool.release(conn)
+        exchange._conn = None
+        if self.breaker.record_success():
+            logger.info("redis at %s answers again: circuit breaker closed", self.label)
+        exchange.result = replies
+
+    def _drop(self, exchange: Exchange) -> None:
+        """Disconnect and release a connection whose stream is out of step (half sent or half read)."""
+        conn, exchange._conn = exchange._conn, None
+        if conn is not None:
+            try:
+                conn.disconnect()
+            finally:
+                self.client.connection_pool.release(conn)
+
+    def _failed(self, op: str, exc: BaseException) -> OSError:
+        """Feed the breaker and turn ``exc`` into a builtin OSError naming the masked address."""
+        if isinstance(exc, redis.ResponseError):
+            # The server answered (e.g. NOAUTH during the handshake): it is alive.
+            self.breaker.record_success()
+            return OSError(f"redis at {self.label}: {op} rejected by the server ({describe(exc)})")
+        # Drop pooled sockets: after a restart they are all dead, and one would fail the probe.
+        self.client.connection_pool.disconnect()
+        if self.breaker.record_failure():
+            logger.warning(
+                "redis at %s: %s failed (%s); circuit breaker open for %ss: loads miss, saves fail fast",
+                self.label,
+                op,
+                describe(exc),
+                self.breaker.reset_s,
+            )
+        if isinstance(exc, redis.TimeoutError | TimeoutError):
+            return TimeoutError(f"redis at {self.label}: {op} timed out ({describe(exc)})")
+        if isinstance(exc, redis.ConnectionError | OSError):  # also AuthenticationError, raw socket errors
+            return ConnectionError(f"redis at {self.label}: {op} failed ({describe(exc)})")
+        # A reply of the wrong type, a garbled stream, an absurd length: the server is unusable.
+        return OSError(f"redis at {self.label}: {op} got an unusable reply ({type(exc).__name__}: {describe(exc)})")
+
+
+def lookup_exchange(node: RedisNode, names: Sequence[bytes]) -> Exchange:
+    """``STRLEN`` per name (read replies with :func:`~.wire.present`)."""
+    return Exchange(node, [b"".join(pack_command(b"STRLEN", n) for n in names)], len(names), "count_prefix")
+
+
+def read_exchange(node: RedisNode, names: Sequence[bytes], limit: int | None) -> Exchange:
+    """``GETRANGE name 0 limit`` per name (``GET`` without a limit); read replies with :func:`~.wire.object_or_none`."""
+    if limit is None:
+        packed = b"".join(pack_command(b"GET", n) for n in names)
+    else:
+        end = str(limit).encode()
+        packed = b"".join(pack_command(b"GETRANGE", n, b"0", end) for n in names)
+    return Exchange(node, [packed], len(names), "get_many")
+
+
+def write_exchange(
+    node: RedisNode, prefix: bytes, items: Sequence[tuple[bytes, Sequence[Buffer]]], ttl_s: int | None
+) -> Exchange:
+    """One ``SET`` per item (replies read with :func:`~.wire.written`)."""
+    return Exchange(node, pack_sets(prefix, items, ttl_s), len(items), "put_many")
+
+
+def count_written(exchange: Exchange, logged: set[str]) -> int:
+    """How many SETs of a finished write exchange stored their object; the first rejection is logged once."""
+    assert isinstance(exchange.result, list)
+    count = 0
+    for reply in exchange.result:
+        if written(reply):
+            count += 1
+        elif exchange.node.label not in logged:
+            logged.add(exchange.node.label)
+            logger.warning("redis at %s: a SET was not stored: %s", exchange.node.label, describe_reply(reply))
+    return count
+
+
+def describe_reply(reply: object) -> str:
+    return describe(reply) if isinstance(reply, BaseException) else f"unexpected reply of type {type(reply).__name__}"
+
+
+class RedisBlockStore:
+    """A :class:`~kvdi.connectors.store.BlockStore` over one Redis server; safe to share across threads.
+
+    ``max_object_bytes`` (the frame size, when known) bounds every read: a larger value is
+    read as its first ``max_object_bytes + 1`` bytes, which no frame check accepts.
+    """
+
+    def __init__(self, options: RedisSettings, max_object_bytes: int | None = None) -> None:
+        raw_url = options.url.get_secret_value()
+        self.url = mask_url(raw_url)
+        self.key_prefix = options.key_prefix
+        self.ttl_s = options.ttl_s
+        self.max_object_bytes = max_object_bytes
+        self._prefix = options.key_prefix.encode()
+        self._logged: set[str] = set()
+        try:
+            client: redis.Redis = redis.Redis.from_url(
+                raw_url,
+                # No retries: a retry on a dead server doubles the stall the breaker exists to bound.
+                retry=Retry(NoBackoff(), 0),
+                retry_on_error=[],
+                **client_options(options),
+            )
+        except (ValueError, redis.RedisError) as exc:
+            # redis-py's parse errors may quote the URL; show only the masked one.
+            raise ConfigError(
+                f"redis.url (KVDI_REDIS__URL={self.url}) cannot be used: {type(exc).__name__}; "
+                "expected redis://[[user]:password@]host[:port][/db], rediss://... or unix:///path"
+            ) from None
+        self.node = RedisNode(client, self.url, CircuitBreaker(options.breaker_failures, options.breaker_reset_s))
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        return self.node.breaker
+
+    def __repr__(self) -> str:
+        return f"RedisBlockStore(url={self.url!r}, key_prefix={self.key_prefix!r}, breaker={self.breaker.state.value})"
+
+    # BlockStore protocol
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, hold an object (pipelined STRLENs); 0 while the breaker is open."""
+        if not keys:
+            return 0
+        replies = self._replies(lookup_exchange(self.node, [self._name(k) for k in keys]), miss=True)
+        if replies is None:
+            return 0
+        count = 0
+        for reply in replies:
+            if not present(reply):
+                break
+            count += 1
+        return count
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """Each key's object (at most ``max_object_bytes + 1`` bytes) or None; all None while the breaker is open."""
+        if not keys:
+            return []
+        replies = self._replies(
+            read_exchange(self.node, [self._name(k) for k in keys], self.max_object_bytes), miss=True
+        )
+        if replies is None:
+            return [None] * len(keys)
+        return [object_or_none(r, self.max_object_bytes) for r in replies]
+
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
+        """One ``SET`` per object (``EX`` when ``ttl_s``) in one pipeline; returns how many were stored.
+
+        Raises ConnectionError while the breaker is open, OSError when the server failed or
+        stored none of them. The commands are packed here rather than by redis-py so that an
+        object's pieces go to the socket as they are: joining them would copy every byte again.
+        """
+        if not items:
+            return 0
+        exchange = self.node.run(write_exchange(self.node, self._prefix, items, self.ttl_s))
+        if isinstance(exchange.result, OSError):
+            raise exchange.result
+        count = count_written(exchange, self._logged)
+        if count == 0:
+            first = describe_reply(exchange.result[0]) if exchange.result else "no reply"
+            raise OSError(f"redis at {self.url}: put_many rejected by the server ({first})")
+        return count
+
+    def discard(self, key: bytes) -> None:
+        """``DEL`` one key (absent keys are fine); raises ConnectionError while the breaker is open."""
+        self._replies(Exchange(self.node, [pack_command(b"DEL", self._name(key))], 1, "discard"))
+
+    def check(self) -> str:
+        """Reach the server, make sure it is not a cluster node: a one-line summary, or ConfigError."""
+        from kvdi.connectors.redis.probe import check_single
+
+        return check_single(self.node, self.url)
+
+    def close(self) -> None:
+        """Close every pooled connection; the store must not be used afterwards."""
+        self.node.client.close()
+        self.node.client.connection_pool.disconnect()
+
+    # internals
+
+    def _name(self, key: bytes) -> bytes:
+        return self._prefix + key.hex().encode()
+
+    @overload
+    def _replies(self, exchange: Exchange) -> list[object]: ...
+    @overload
+    def _replies(self, exchange: Exchange, miss: bool) -> list[object] | None: ...
+
+    def _replies(self, exchange: Exchange, miss: bool = False) -> list[object] | None:
+        """The exchange's replies; None when ``miss`` and the breaker refused the call; raises any other failure."""
+        self.node.run(exchange)
+        if miss and isinstance(exchange.result, BreakerOpenError):
+            return None
+        if isinstance(exchange.result, OSError):
+            raise exchange.result
+        assert exchange.result is not None
+        return exchange.result

@@ -1,0 +1,118 @@
+"""RESP on the wire for the Redis stores: packed ``SET`` batches, gathered sends, reply checks.
+
+Saves are packed here so that a frame's pieces (header, then per-layer views of the paged
+cache) reach the socket uncopied, in one gathered ``sendmsg`` per batch on plain TCP / unix
+sockets. Replies are checked here too: a store is hostile input, so a reply of the wrong
+type is never trusted, only classified.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
+
+from kvdi.connectors.framing import Buffer
+from kvdi.masking import mask_text
+
+_COALESCE_BYTES = 16 << 10  # pieces up to this size are copied into the command buffer
+_IOV_BATCH = 512  # buffers per sendmsg call, below every platform's IOV_MAX
+BAD_OBJECT = b""
+"""What a read returns for a key whose reply is not a string (wrong type, error reply): never
+a valid frame, so the worker half counts it as corrupt and drops the key."""
+
+
+REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError)
+"""Error replies that say "not here, not now" (a cluster's slot moved or is migrating): a miss, and a
+sign the caller's slot map is stale, never a bad object."""
+
+
+def redirected(reply: object) -> bool:
+    """Whether a reply is one of :data:`REDIRECTS`."""
+    return isinstance(reply, REDIRECTS)
+
+
+def present(reply: object) -> bool:
+    """Whether a ``STRLEN`` reply says the key holds a non-empty object.
+
+    An error reply (``WRONGTYPE``: the key holds a list, a hash...) counts as present, so
+    the load that follows reads it as a bad object and drops it instead of the key
+    poisoning its prompt's prefix for good. Anything else not a positive integer is absent.
+    """
+    if isinstance(reply, Exception):
+        return not redirected(reply)
+    return type(reply) is int and reply > 0
+
+
+def object_or_none(reply: object, limit: int | None) -> Buffer | None:
+    """A ``GET`` / ``GETRANGE`` reply as an object: bytes (at most ``limit + 1``), None when absent, else BAD_OBJECT.
+
+    ``GETRANGE`` answers an absent key with an empty string, so an empty reply is absent.
+    A reply longer than ``limit + 1`` (a server that ignored the range) is cut: it is not a
+    frame either way, and the cut keeps what the caller holds bounded.
+    """
+    if reply is None or reply == b"" or redirected(reply):
+        return None
+    if isinstance(reply, bytes | bytearray):
+        return reply if limit is None or len(reply) <= limit + 1 else bytes(reply[: limit + 1])
+    return BAD_OBJECT
+
+
+def written(reply: object) -> bool:
+    """Whether a ``SET`` reply says the object was stored (``+OK``; redis-py may have parsed it to True)."""
+    return reply is True or reply in (b"OK", "OK")
+
+
+def pack_sets(prefix: bytes, items: Sequence[tuple[bytes, Sequence[Buffer]]], ttl_s: int | None) -> list[Buffer]:
+    """RESP for ``SET prefix+hex(key) <pieces joined> [EX ttl_s]`` per item, large pieces left uncopied."""
+    argc, tail = (b"*5", b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl_s)), ttl_s)) if ttl_s else (b"*3", b"\r\n")
+    chunks: list[Buffer] = []
+    small = bytearray()  # small parts coalesce into one buffer: fewer sendall calls
+    for key, pieces in items:
+        name = prefix + key.hex().encode()
+        views = [byte_view(p) for p in pieces]
+        size = sum(v.nbytes for v in views)
+        small += b"%s\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (argc, len(name), name, size)
+        for view in views:
+            if view.nbytes <= _COALESCE_BYTES:
+                small += view
+            else:
+                if small:
+                    chunks.append(bytes(small))
+                    small.clear()
+                chunks.append(view)
+        small += tail
+    chunks.append(bytes(small))
+    return chunks
+
+
+def send_gathered(sock: socket.socket, chunks: Sequence[Buffer]) -> None:
+    """Send every chunk, in order, with as few ``sendmsg`` calls as the kernel allows (handles partial sends)."""
+    views = [memoryview(c) for c in chunks]  # byte views (see _byte_view): slicing counts bytes
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + _IOV_BATCH])
+        while sent and i < len(views):
+            size = views[i].nbytes
+            if sent >= size:
+                sent -= size
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+        while i < len(views) and views[i].nbytes == 0:
+            i += 1
+
+
+def byte_view(piece: Buffer) -> memoryview:
+    view = memoryview(piece)
+    if not view.c_contiguous:
+        return memoryview(view.tobytes())
+    # A view's len() counts elements: make every view count bytes.
+    return view if view.ndim == 1 and view.itemsize == 1 else view.cast("B")
+
+
+def describe(exc: BaseException) -> str:
+    # redis-py messages name host:port, never credentials, but be safe about URLs.
+    return mask_text(str(exc) or type(exc).__name__)

