@@ -167,6 +167,23 @@ class P2pSettings(_Section):
     max_held_bytes: int = Field(1 << 30, gt=0)
 
 
+class TransferSettings(_Section):
+    """Background I/O of the store connectors (``KVDI_TRANSFER__*``).
+
+    ``io_thread``: overlap store calls with checksums on a second thread in synchronous
+    transfers (auto: when 4+ CPUs are usable). ``async_save``: ``wait_for_save`` queues the
+    step's saves and returns; a finished request's blocks stay held until written.
+    ``async_load``: load in the background while other requests run (auto: the store's
+    ``prefers_async_load``, or a hit of 16 MiB or more). ``max_inflight_bytes`` bounds the
+    bytes of queued saves; past it ``wait_for_save`` waits for the medium.
+    """
+
+    io_thread: Literal["auto", "on", "off"] = "off"
+    async_save: bool = True
+    async_load: Literal["auto", "on", "off"] = "auto"
+    max_inflight_bytes: int = Field(256 << 20, gt=0, le=1 << 40)
+
+
 # vLLM KVTransferConfig keys accepted in KVDI_KV_TRANSFER_CONFIG, and where each lands.
 _VLLM_KEYS: dict[str, tuple[str, ...]] = {
     "kv_connector": ("kv_connector",),
@@ -252,6 +269,7 @@ class KvdiSettings(BaseSettings):
     redis: RedisSettings = RedisSettings()
     multi: MultiSettings = MultiSettings()
     p2p: P2pSettings = P2pSettings()
+    transfer: TransferSettings = TransferSettings()
 
     @field_validator("kv_connector")
     @classmethod
