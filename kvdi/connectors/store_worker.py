@@ -73,6 +73,7 @@ class StoreWorkerConnector(WorkerConnector):
         self._side: object = None  # torch.cuda.Stream for background copies, on CUDA
         self._executor: ThreadPoolExecutor | None = None
         self._queue = TransferQueue(self.name, transfer.max_inflight_bytes)
+        self._async_save = transfer.async_save
         self._held: set[str] = set()  # requests with asynchronous transfers: reported when finished and done
         self._finishing: set[str] = set()
         self._received: set[str] = set()
@@ -113,11 +114,14 @@ class StoreWorkerConnector(WorkerConnector):
             logger.warning("kv connector %r: " + message + " (logged once per reason)", self.name, *args)
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        """Note the requests whose blocks the scheduler half holds for this half, by the rule it holds them by:
+        an asynchronous load, or a save while ``transfer.async_save`` is on. Metadata rewritten by an adapter
+        into a plain :class:`BlockTransferMetadata` runs synchronously, yet its requests are still reported."""
         super().bind_connector_metadata(metadata)
-        if isinstance(metadata, StoreTransferMetadata):  # the same rule the scheduler half holds blocks by
+        if isinstance(metadata, StoreTransferMetadata):
             self._held.update(t.request_id for t in metadata.async_loads)
-            if metadata.async_save:
-                self._held.update(t.request_id for t in metadata.saves)
+        if isinstance(metadata, BlockTransferMetadata) and self._async_save:
+            self._held.update(t.request_id for t in metadata.saves)
 
     # -- background jobs -----------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from kvdi_store_helpers import DictStore, Engine, make_settings, request, small_layout
 
-from kvdi.connectors.base import KVRequest, ScheduledRequest, SchedulerOutput
+from kvdi.connectors.base import BlockTransferMetadata, KVRequest, ScheduledRequest, SchedulerOutput, run_transfer_step
 from kvdi.connectors.keys import block_keys
 from kvdi.connectors.store import ASYNC_LOAD_MIN_BYTES, StoreTransferMetadata
 from kvdi.errors import ConfigError
@@ -216,3 +216,17 @@ def test_io_thread_is_a_setting(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("KVDI_TRANSFER__IO_THREAD", "sometimes")
     with pytest.raises(ConfigError, match="KVDI_TRANSFER__IO_THREAD='sometimes'"):
         load_settings()
+
+
+def test_metadata_rewritten_by_an_adapter_saves_synchronously_and_still_reports_held_requests() -> None:
+    store = DictStore()
+    engine = Engine(store, LAYOUT, make_settings(), seed=1)
+    n, _ = engine.scheduler.get_num_new_matched_tokens(PROMPT, 0)
+    engine.scheduler.update_state_after_alloc(PROMPT, BLOCKS, n)
+    meta = engine.scheduler.build_connector_meta(SchedulerOutput(1, (ScheduledRequest(PROMPT, BLOCKS, 0, 18),)))
+    assert isinstance(meta, StoreTransferMetadata)
+    plain = BlockTransferMetadata(meta.loads, meta.saves)  # what a block-id-translating bridge hands on
+    run_transfer_step(engine.worker, plain)
+    assert len(store.objects) == 4  # no background queue behind a plain metadata object
+    assert engine.scheduler.request_finished(PROMPT, BLOCKS) == (True, None)
+    assert engine.worker.get_finished({"r"}) == ({"r"}, None)
