@@ -7,7 +7,8 @@
    framing and writing it (what a synchronous save costs the engine thread).
 2. The reference engine with ``shared_storage``: storing rounds (new prompts each round),
    engines with ``transfer.async_save`` on and off alternated, round time and time to first
-   token (medians), plus a no-connector engine.
+   token (medians), the engine thread's time in ``wait_for_save`` per round, plus a
+   no-connector engine.
 """
 
 from __future__ import annotations
@@ -76,20 +77,27 @@ def engine_rounds(tmp: Path, rounds: int) -> dict[str, dict[str, float]]:
         engines[name] = build_engine_container(**common, **extra, **store)
     times: dict[str, list[float]] = {n: [] for n in configs}
     ttft: dict[str, list[float]] = {n: [] for n in configs}
+    save: dict[str, list[float]] = {n: [] for n in configs}
     for r in range(rounds + 1):
         prompts = [[rng.randrange(1024) for _ in range(97)] for _ in range(6)]  # 6 blocks each: 3 MiB per prompt
         for name in configs if r % 2 else reversed(list(configs)):
             engine = engines[name].engine()
+            before = engine.connector_stats().worker.save_seconds
             t0 = time.perf_counter()
             outs = engine.generate(prompts, 4)
             if r:  # round 0 warms up
                 times[name].append(time.perf_counter() - t0)
+                save[name].append(engine.connector_stats().worker.save_seconds - before)
                 ttft[name].extend(o.time_to_first_token_s or 0.0 for o in outs)
     for container in engines.values():
         container.engine().shutdown()
         container.shutdown_resources()
     return {
-        n: {"round_ms": 1e3 * statistics.median(times[n]), "ttft_ms": 1e3 * statistics.median(ttft[n])}
+        n: {
+            "round_ms": 1e3 * statistics.median(times[n]),
+            "ttft_ms": 1e3 * statistics.median(ttft[n]),
+            "wait_for_save_ms_per_round": 1e3 * statistics.median(save[n]),
+        }
         for n in configs
     }
 
