@@ -161,9 +161,12 @@ class StoreWorkerConnector(WorkerConnector):
         received, self._received = self._received, set()
         return sending or None, received or None
 
-    def handle_preemptions(self, preempted_req_ids: Collection[str]) -> None:
-        """Finish the jobs of requests whose blocks the engine is about to reuse (vLLM's preemption hook)."""
-        self._queue.wait(set(preempted_req_ids))
+    def handle_preemptions(self, preempted_req_ids: Collection[str] | None = None) -> None:
+        """Finish the jobs of requests whose blocks the engine is about to reuse (vLLM's preemption hook).
+
+        vLLM frees a preempted request's blocks without ``request_finished``; call this before
+        the next forward pass with the preempted ids (None: every queued job)."""
+        self._queue.wait(None if preempted_req_ids is None else set(preempted_req_ids))
         self._collect(self._queue.harvest(loads=False))
 
     def flush(self) -> None:

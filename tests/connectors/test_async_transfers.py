@@ -92,12 +92,13 @@ def test_queued_saves_past_the_byte_bound_make_the_engine_wait() -> None:
     assert len(store.objects) == 4 and engine.worker._queue.backpressure_waits >= 3
 
 
-def test_preempted_requests_are_written_before_their_blocks_go_back() -> None:
+@pytest.mark.parametrize("preempted", [{"r"}, None], ids=["named", "all"])
+def test_preempted_requests_are_written_before_their_blocks_go_back(preempted: set[str] | None) -> None:
     store = GatedStore()
     engine = Engine(store, LAYOUT, make_settings(), seed=1)
     step(engine)
     threading.Timer(0.05, store.gate.set).start()
-    engine.worker.handle_preemptions({"r"})
+    engine.worker.handle_preemptions(preempted)
     assert len(store.objects) == 4 and engine.worker.stats.saved_blocks == 4
 
 
