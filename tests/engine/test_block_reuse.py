@@ -3,7 +3,8 @@
 A tiny cache and many requests make the engine hand the same blocks out again and again,
 while a slowed store keeps saves in flight for several steps. Each object the connector
 stored is then checked against the KV a connector-free engine computes for that prefix
-(and its frame checksum must hold), for every store connector.
+(and its frame checksum must hold), for every store connector; then the same prompts load
+back asynchronously under the same churn and generate the same tokens.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def test_every_object_stored_under_block_reuse_matches_a_recompute(
 ) -> None:
     settings = connector_settings(name, tmp_path, request)
     alloc = {"device": "cpu", "block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS}
-    producer = containers(allocator=alloc, transfer={"async_save": True}, **settings)
+    producer = containers(allocator=alloc, transfer={"async_save": True, "async_load": "on"}, **settings)
     store = producer.kv.backend()
     slow_writes(store, WRITE_DELAY_S)
     engine: LLMEngine = producer.engine()
@@ -119,3 +120,7 @@ def test_every_object_stored_under_block_reuse_matches_a_recompute(
                 torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
                 checked += 1
     assert checked >= len(PROMPTS)
+
+    again = engine.generate(PROMPTS, NEW_TOKENS)  # now every prefix loads in the background, blocks still reused
+    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in outputs]
+    assert all(o.num_loaded_tokens > 0 for o in again) and engine.block_pool.whole
