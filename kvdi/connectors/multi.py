@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvdi.connectors.framing import Buffer
-from kvdi.connectors.store import BlockStore, ReadIntoStore
+from kvdi.connectors.store import BlockStore, ReadIntoStore, prefers_async_load, written_count
 
 if TYPE_CHECKING:
     from kvdi.layout import KVCacheSpec
@@ -32,6 +32,8 @@ class TieredStore:
         if not tiers:
             raise ValueError("a tiered store needs at least one tier")
         self.tiers = list(tiers)
+        # Load in the background when any tier is remote or cold: a load may fall through to it.
+        self.prefers_async_load = any(prefers_async_load(store) for _, store in self.tiers)
         self.tier_failures: dict[str, int] = {name: 0 for name, _ in self.tiers}
 
     def _failed(self, name: str, what: str, exc: OSError) -> None:
@@ -117,7 +119,7 @@ class TieredStore:
         written = 0
         for name, store in self.tiers:
             try:
-                written = max(written, store.put_many(items))
+                written = max(written, written_count(store.put_many(items), len(items)))
             except OSError as exc:
                 errors.append(exc)
                 self._failed(name, "write", exc)

@@ -39,6 +39,7 @@ from kvdi.settings.sections import (
     RedisSettings,
     SchedulerSettings,
     SharedStorageSettings,
+    TransferSettings,
     default_cache_dir,
     physical_memory_bytes,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "ModelSettings",
     "MultiSettings",
     "P2pSettings",
+    "TransferSettings",
     "RedisSettings",
     "SchedulerSettings",
     "SharedStorageSettings",

@@ -33,6 +33,7 @@ from kvdi.settings.sections import (
     RedisSettings,
     SchedulerSettings,
     SharedStorageSettings,
+    TransferSettings,
 )
 from kvdi.settings.vllm_compat import VllmCompatSource
 
@@ -75,6 +76,7 @@ class KvdiSettings(BaseSettings):
     redis: RedisSettings = RedisSettings()
     multi: MultiSettings = MultiSettings()
     p2p: P2pSettings = P2pSettings()
+    transfer: TransferSettings = TransferSettings()
 
     @field_validator("kv_connector")
     @classmethod

@@ -225,6 +225,28 @@ class P2pSettings(_Section):
         return within_physical_memory(value)
 
 
+class TransferSettings(_Section):
+    """Background I/O of the store connectors (``KVDI_TRANSFER__*``).
+
+    ``io_thread``: overlap store calls with checksums on a second thread in synchronous
+    transfers (auto: when 4+ CPUs are usable). ``async_save``: ``wait_for_save`` queues the
+    step's saves and returns; a finished request's blocks stay held until written.
+    ``async_load``: load in the background while other requests run (auto: the store's
+    ``prefers_async_load``, or a hit of 16 MiB or more). ``max_inflight_bytes`` bounds the
+    bytes of queued saves; past it ``wait_for_save`` waits for the medium.
+    """
+
+    io_thread: Literal["auto", "on", "off"] = "off"
+    async_save: bool = True
+    async_load: Literal["auto", "on", "off"] = "auto"
+    max_inflight_bytes: int = Field(256 << 20, gt=0)
+
+    @field_validator("max_inflight_bytes")
+    @classmethod
+    def _memory(cls, value: int) -> int:
+        return within_physical_memory(value)
+
+
 __all__ = [
     "KERNEL_FILE_SYSTEMS",
     "MAX_BLOCKS",
@@ -242,8 +264,10 @@ __all__ = [
     "RedisSettings",
     "SchedulerSettings",
     "SharedStorageSettings",
+    "TransferSettings",
     "default_cache_dir",
     "duration_field",
     "physical_memory_bytes",
     "within_physical_memory",
 ]
+

@@ -74,6 +74,7 @@ class Engine:
         self.steps += 1
         meta = self.scheduler.build_connector_meta(SchedulerOutput(self.steps, (sched,)))
         errors = run_transfer_step(self.worker, meta)
+        self.worker.flush()  # asynchronous saves: stored (and counted) before the next engine looks
         self.scheduler.request_finished(request, block_ids)
         return n, errors
 

@@ -334,8 +334,8 @@ def test_store_recovers_after_restart_and_reset_time(redis_server: RedisServer, 
 
 def test_open_store_builds_the_store_from_settings(redis_server: RedisServer) -> None:
     """One server by default; every read bounded by the layout's frame size (plus room for a trailer)."""
-    from kvdi.layout import KVCacheSpec
     from kvdi.connectors.redis import FRAME_ROOM
+    from kvdi.layout import KVCacheSpec
 
     settings = load_settings(kv_connector="redis", redis={"url": redis_server.url})
     layout = KVCacheSpec.from_settings(settings)

@@ -16,13 +16,13 @@ import pytest
 redis = pytest.importorskip("redis")
 torch = pytest.importorskip("torch")
 
-from kvdi.layout import KVCacheSpec  # noqa: E402
 from kvdi.connectors.framing import frame_header  # noqa: E402
 from kvdi.connectors.keys import block_keys  # noqa: E402
 from kvdi.connectors.redis import BreakerState, RedisBlockStore, RedisClusterBlockStore, open_store  # noqa: E402
 from kvdi.connectors.redis.wire import BAD_OBJECT  # noqa: E402
 from kvdi.containers import EngineContainer, build_engine_container  # noqa: E402
 from kvdi.errors import ConfigError  # noqa: E402
+from kvdi.layout import KVCacheSpec  # noqa: E402
 from kvdi.settings import RedisSettings, load_settings  # noqa: E402
 from kvdi.testing.redis_server import (  # noqa: E402
     INSTALL_HINT,

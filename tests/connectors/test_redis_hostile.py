@@ -260,8 +260,8 @@ def test_a_64_mib_value_is_read_bounded_by_one_frame(scripted: Callable[[Reply],
 
 
 def test_a_64_mib_value_on_a_real_server_costs_at_most_one_frame_of_memory(redis_server: RedisServer) -> None:
-    from kvdi.layout import KVCacheSpec
     from kvdi.connectors.redis import open_store
+    from kvdi.layout import KVCacheSpec
     from kvdi.settings import load_settings
 
     loaded = load_settings(**settings(redis_server.url))

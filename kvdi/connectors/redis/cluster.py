@@ -66,6 +66,9 @@ class RedisClusterBlockStore:
     was (ConnectionError / OSError naming the node).
     """
 
+    prefers_async_load = True
+    """Reads cross the network: load beside the compute (``KVDI_TRANSFER__ASYNC_LOAD=auto``)."""
+
     def __init__(self, options: RedisSettings, max_object_bytes: int | None = None) -> None:
         raw_url = options.url.get_secret_value()
         self.url = mask_url(raw_url)

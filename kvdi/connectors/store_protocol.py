@@ -1,0 +1,100 @@
+"""What the store halves need from a backend: the :class:`BlockStore` protocol and its optional extras.
+
+A BlockStore holds framed objects (see :mod:`kvdi.connectors.framing`) by block key and
+knows nothing about tensors. Optional extras are read with a default, so a backend that
+predates them keeps working: :class:`ReadIntoStore` (read straight into caller buffers)
+and the class attribute ``prefers_async_load`` (see :func:`prefers_async_load`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from kvdi.connectors.base import ConnectorContext
+from kvdi.connectors.framing import Buffer
+
+
+@runtime_checkable
+class BlockStore(Protocol):
+    """Storage of framed blocks by key. Implementations must be safe to share by both halves of one engine.
+
+    Failures of the medium (disk full, server gone) should raise ``OSError`` (``ConnectionError``,
+    ``TimeoutError`` are OSErrors); the halves catch every exception at each call anyway and
+    count it, so a misbehaving store is a miss, never a failed request.
+    """
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are present without a gap (an existence check only)."""
+        ...
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """The framed object of each key, or None where absent. One contiguous buffer per key."""
+        ...
+
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
+        """Store each ``(key, pieces)``: the object is the concatenation of ``pieces`` (header, payload).
+
+        Publishing is atomic per key: a reader sees the whole object or nothing. Returns how
+        many objects were written (a partial batch counts only what was written); a third-party
+        store that returns None is taken to have written all of them (:func:`written_count`).
+        """
+        ...
+
+    def discard(self, key: bytes) -> None:
+        """Remove one object (used to drop corrupt or foreign objects); absent keys are fine."""
+        ...
+
+    def close(self) -> None:
+        """Release handles; called on container shutdown."""
+        ...
+
+
+@runtime_checkable
+class ReadIntoStore(Protocol):
+    """Optional extra a store may offer: read objects straight into caller buffers (no staging copy).
+
+    The worker half uses it when present and falls back to :meth:`BlockStore.get_many` otherwise.
+    """
+
+    def get_into_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[int | None]:
+        """For each ``(key, pieces)``: the stored object's size, or None if absent.
+
+        When the size equals the total size of ``pieces``, the object has been copied into
+        them in order; otherwise ``pieces`` are left untouched.
+        """
+        ...
+
+
+def require_store(context: ConnectorContext) -> BlockStore:
+    """The context's backend as a BlockStore, or a TypeError naming the connector."""
+    backend = context.backend
+    if not isinstance(backend, BlockStore):
+        raise TypeError(
+            f"connector {context.name!r} needs a BlockStore backend (count_prefix, get_many, put_many, "
+            f"discard, close), got {type(backend).__name__}"
+        )
+    return backend
+
+
+def prefers_async_load(store: object) -> bool:
+    """The store's ``prefers_async_load`` attribute (a class or instance attribute), False when it has none.
+
+    A backend sets it True when its reads are remote or cold (a network round trip, a disk
+    that is not in the page cache), so that loading beside the compute beats loading
+    before it; a local, warm store leaves it False (a synchronous load there costs less
+    than the step of latency an asynchronous one adds).
+    """
+    return bool(getattr(store, "prefers_async_load", False))
+
+
+def written_count(result: object, count: int) -> int:
+    """How many of ``count`` objects a ``put_many`` call wrote: its int result, or all of them for None."""
+    if result is None:
+        return count
+    if isinstance(result, bool) or not isinstance(result, int):
+        raise TypeError(f"put_many returned {type(result).__name__}, expected an int")
+    return max(0, min(result, count))
+
+
+__all__ = ["BlockStore", "ReadIntoStore", "prefers_async_load", "require_store", "written_count"]

@@ -1,0 +1,170 @@
+"""The scheduler half of the store connectors: offers stored prefixes, plans loads and saves.
+
+It asks the store how many leading blocks of a prompt it holds and tells the worker half,
+step by step, which blocks to load and which to save (:class:`StoreTransferMetadata`).
+With ``transfer.async_load`` a load runs beside the compute: the answer is
+``load_async=True`` and the load travels in ``async_loads`` with the blocks allocated for
+it. With ``transfer.async_save`` (or an asynchronous load) a finished request's blocks are
+held (``delay_free=True``) until the worker half reports it in ``get_finished``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvdi.connectors.base import (
+    BlockTransfer,
+    BlockTransferMetadata,
+    ConnectorContext,
+    KVConnectorMetadata,
+    KVRequest,
+    SchedulerConnector,
+    SchedulerOutput,
+    loadable_tokens,
+)
+from kvdi.connectors.keys import block_keys
+from kvdi.connectors.store_protocol import prefers_async_load, require_store
+
+logger = logging.getLogger(__name__)
+
+ASYNC_LOAD_MIN_BYTES = 16 << 20
+"""Under ``async_load=auto``, a hit at least this large loads asynchronously even from a local store:
+reading and verifying it (about 2-4 GB/s here) takes longer than the step of latency an async load adds."""
+
+
+@dataclass(frozen=True)
+class StoreTransferMetadata(BlockTransferMetadata):
+    """Block transfers of one step; ``async_loads`` complete in the background (reported by ``get_finished``)."""
+
+    async_loads: tuple[BlockTransfer, ...] = ()
+    async_save: bool = False
+
+
+@dataclass
+class _RequestPlan:
+    """What the scheduler half knows about one request."""
+
+    keys: list[bytes]
+    stored: int = 0  # leading blocks the store held at lookup
+    saved: int = 0  # blocks below this are stored or already being saved
+    load_from_tokens: int = 0
+    load_start: int = 0
+    load_end: int = 0
+    load_accepted: bool = False
+    load_async: bool = False
+    held: bool = False  # an asynchronous transfer went to the worker: hold the blocks when it finishes
+
+
+class StoreSchedulerConnector(SchedulerConnector):
+    """Offers the leading stored blocks of a prompt (consumers) and plans saves of new ones (producers)."""
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        self.store = require_store(context)
+        self._block_size = context.layout.block_size
+        self._block_bytes = context.layout.block_bytes
+        self._transfer = context.settings.transfer
+        self._plans: dict[str, _RequestPlan] = {}
+        self._async_loads: dict[str, BlockTransfer] = {}
+
+    def _plan(self, request: KVRequest) -> _RequestPlan:
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            keys = block_keys(request.prompt_token_ids, self.context.layout, request.cache_salt)
+            plan = self._plans[request.request_id] = _RequestPlan(keys)
+        return plan
+
+    def load_async(self, num_blocks: int) -> bool:
+        """Whether a hit of ``num_blocks`` loads asynchronously under ``transfer.async_load``."""
+        mode = self._transfer.async_load
+        if mode != "auto":
+            return mode == "on"
+        return prefers_async_load(self.store) or num_blocks * self._block_bytes >= ASYNC_LOAD_MIN_BYTES
+
+    def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        self.stats.lookups += 1
+        plan = self._plan(request)
+        plan.load_accepted = plan.load_async = False
+        plan.load_start = plan.load_end = 0
+        bs = self._block_size
+        try:
+            plan.stored = self.store.count_prefix(plan.keys)  # all full blocks: none is saved twice
+        except Exception as exc:  # anything a store raises is a miss
+            self.stats.load_failures += 1
+            logger.warning("kv connector %r: store lookup failed, treating as a miss: %r", self.name, exc)
+            plan.stored = 0
+        if isinstance(plan.stored, bool) or not isinstance(plan.stored, int) or plan.stored < 0:
+            logger.warning("kv connector %r: count_prefix returned %r, treating as a miss", self.name, plan.stored)
+            self.stats.load_failures += 1
+            plan.stored = 0
+        plan.saved = max(plan.saved, plan.stored)
+        stored = min(plan.stored, loadable_tokens(len(request.prompt_token_ids), bs) // bs)
+        first = num_computed_tokens // bs
+        if not self.context.settings.is_consumer or stored * bs <= num_computed_tokens:
+            return 0, False
+        self.stats.lookup_hit_blocks += stored - first
+        plan.load_from_tokens, plan.load_start, plan.load_end = num_computed_tokens, first, stored
+        plan.load_async = self.load_async(stored - first)
+        return stored * bs - num_computed_tokens, plan.load_async
+
+    def update_state_after_alloc(self, request: KVRequest, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        plan = self._plans.get(request.request_id)
+        if plan is None or plan.load_end <= plan.load_start:
+            return
+        if num_external_tokens <= 0:
+            plan.load_start = plan.load_end = 0
+            return
+        covered = plan.load_from_tokens + num_external_tokens
+        plan.load_end = min(plan.load_end, -(-covered // self._block_size), len(block_ids))
+        if not plan.load_async:
+            plan.load_accepted = True
+            return
+        span = slice(plan.load_start, plan.load_end)
+        rid = request.request_id
+        self._async_loads[rid] = BlockTransfer(rid, tuple(block_ids[span]), tuple(plan.keys[span]))
+        plan.load_start = plan.load_end = 0
+
+    def build_connector_meta(self, output: SchedulerOutput) -> KVConnectorMetadata:
+        loads: list[BlockTransfer] = []
+        saves: list[BlockTransfer] = []
+        producer = self.context.settings.is_producer
+        async_save = self._transfer.async_save
+        bs = self._block_size
+        async_loads = tuple(self._async_loads.values())
+        self._async_loads = {}
+        for transfer in async_loads:
+            self._plans[transfer.request_id].held = True
+        for sched in output.scheduled:
+            plan = self._plan(sched.request)
+            rid = sched.request.request_id
+            if plan.load_accepted:
+                end = min(plan.load_end, len(sched.block_ids))
+                if end > plan.load_start:
+                    span = slice(plan.load_start, end)
+                    loads.append(BlockTransfer(rid, tuple(sched.block_ids[span]), tuple(plan.keys[span])))
+                plan.load_accepted = False
+                plan.load_start = plan.load_end = 0
+            if producer:
+                prompt_len = len(sched.request.prompt_token_ids)
+                done = min(sched.num_computed_tokens + sched.num_scheduled_tokens, prompt_len) // bs
+                start = max(plan.saved, sched.num_computed_tokens // bs)
+                end = min(done, len(sched.block_ids), len(plan.keys))
+                if end > start:
+                    span = slice(start, end)
+                    saves.append(BlockTransfer(rid, tuple(sched.block_ids[span]), tuple(plan.keys[span])))
+                    plan.held = plan.held or async_save
+                plan.saved = max(plan.saved, end)
+        for rid in output.finished_req_ids:
+            self._plans.pop(rid, None)
+        return StoreTransferMetadata(tuple(loads), tuple(saves), async_loads, async_save)
+
+    def request_finished(self, request: KVRequest, block_ids: Sequence[int]) -> tuple[bool, dict[str, object] | None]:
+        """Hold the blocks (``delay_free``) when an asynchronous transfer of this request reached the worker."""
+        self._async_loads.pop(request.request_id, None)  # planned, never sent: nothing to wait for
+        plan = self._plans.pop(request.request_id, None)
+        return plan is not None and plan.held, None
+
+
+__all__ = ["ASYNC_LOAD_MIN_BYTES", "StoreSchedulerConnector", "StoreTransferMetadata"]

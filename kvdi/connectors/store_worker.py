@@ -1,0 +1,361 @@
+"""The worker half of the store connectors: moves blocks between the paged cache and framed objects.
+
+Every object it loads is verified; anything odd (a bad frame, a vanished object, any
+exception a store call raises) is a counted miss, never an exception: the blocks before
+it stay loaded, the rest are reported through ``get_block_ids_with_load_errors``.
+
+Asynchronous transfers (``transfer.async_save``, ``transfer.async_load``, see
+:mod:`kvdi.connectors.store_scheduler`) run on a :class:`TransferQueue`. The invariant: no
+block's bytes are read or written after the engine may have reused the block. A CPU cache
+is read in place by the background writer, so a request with asynchronous transfers keeps
+its blocks (the scheduler half answered ``delay_free``) until this half reports it as
+finished sending in :meth:`get_finished`, after its last job; :meth:`handle_preemptions`
+flushes the jobs of requests whose blocks the engine takes back at once. A device cache
+is copied out to host staging on the engine thread (pinned; loads copy in on a side stream).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
+from typing import TYPE_CHECKING, cast
+
+from kvdi.connectors.base import (
+    BlockTransfer,
+    BlockTransferMetadata,
+    ConnectorContext,
+    ConnectorStats,
+    KVConnectorMetadata,
+    WorkerConnector,
+)
+from kvdi.connectors.framing import HEADER_SIZE, Buffer, frame_header
+from kvdi.connectors.integrity import frame_key
+from kvdi.connectors.store_protocol import ReadIntoStore, require_store, written_count
+from kvdi.connectors.store_reads import ReadChunk, read_chunk, verify_chunk
+from kvdi.connectors.store_scheduler import StoreTransferMetadata
+from kvdi.connectors.transfer_queue import Outcome, TransferQueue, add_stats
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvdi.connectors.blockio import CacheIO
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20  # payload bytes per store call (at least one block): stays in L2 between checksum and copy
+_IO_THREAD = {"on": True, "off": False, "auto": None}
+
+
+class StoreWorkerConnector(WorkerConnector):
+    """Copies blocks between the paged cache and framed objects; a bad object is a miss, never an exception.
+
+    Synchronous transfers run in chunks of about :data:`CHUNK_BYTES`. With ``io_thread`` on
+    (``transfer.io_thread``; a CPU cache), one I/O thread overlaps the store calls (which
+    release the GIL) with checksumming (which holds it).
+    """
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        self.store = require_store(context)
+        self._read_into = isinstance(self.store, ReadIntoStore)  # a Protocol check is slow: once, here
+        layout = context.layout
+        transfer = context.settings.transfer
+        self.io_thread: bool | None = _IO_THREAD[transfer.io_thread]
+        """Overlap synchronous store calls with checksums (None: with 4+ usable CPUs); ``transfer.io_thread``."""
+        self._fingerprint = layout.fingerprint()
+        self._key = frame_key(context.settings)  # None unless KVDI_INTEGRITY_KEY(_FILE) is set
+        self._block_bytes = layout.block_bytes
+        self._frame_bytes = HEADER_SIZE + layout.block_bytes
+        self._chunk = max(1, CHUNK_BYTES // layout.block_bytes)
+        self._io: CacheIO | None = None
+        self._tensors: list[torch.Tensor] = []
+        self._staging: list[CacheIO] = []  # free host staging for background jobs on a device cache
+        self._side: object = None  # torch.cuda.Stream for background copies, on CUDA
+        self._executor: ThreadPoolExecutor | None = None
+        self._queue = TransferQueue(self.name, transfer.max_inflight_bytes)
+        self._async_save = transfer.async_save
+        self._held: set[str] = set()  # requests with asynchronous transfers: reported when finished and done
+        self._finishing: set[str] = set()
+        self._received: set[str] = set()
+        self._logged: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        from kvdi.connectors.blockio import CacheIO
+
+        layout = self.context.layout
+        names = [n for n in layout.layer_names if n in kv_caches]
+        tensors = [kv_caches[n] for n in names] if len(names) == len(kv_caches) else list(kv_caches.values())
+        self._io = CacheIO(tensors, layout.layer_block_bytes, self._chunk, buffers=self.context.staging)
+        self._tensors = tensors
+        if tensors[0].device.type == "cuda":
+            import torch
+
+            self._side = torch.cuda.Stream(tensors[0].device)  # type: ignore[no-untyped-call]
+
+    def _cache(self) -> CacheIO:
+        if self._io is None:
+            raise RuntimeError(f"connector {self.name!r}: register_kv_caches() was not called before a transfer")
+        return self._io
+
+    def _background(self, io: CacheIO) -> ThreadPoolExecutor | None:
+        """The I/O thread of synchronous transfers; None for device caches (staging rows are reused)."""
+        from kvdi.connectors.blockio import usable_cpus
+
+        use = self.io_thread if self.io_thread is not None else usable_cpus() >= 4
+        if not io.direct or not use:
+            return None
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvdi-{self.name}-io")
+        return self._executor
+
+    def _log_once(self, reason: str, message: str, *args: object) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.warning("kv connector %r: " + message + " (logged once per reason)", self.name, *args)
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        """Note the requests whose blocks the scheduler half holds for this half, by the rule it holds them by:
+        an asynchronous load, or a save while ``transfer.async_save`` is on. Metadata rewritten by an adapter
+        into a plain :class:`BlockTransferMetadata` runs synchronously, yet its requests are still reported."""
+        super().bind_connector_metadata(metadata)
+        if isinstance(metadata, StoreTransferMetadata):
+            self._held.update(t.request_id for t in metadata.async_loads)
+        if isinstance(metadata, BlockTransferMetadata) and self._async_save:
+            self._held.update(t.request_id for t in metadata.saves)
+
+    # -- background jobs -----------------------------------------------------------------------
+
+    def _job_io(self) -> CacheIO:
+        """Cache access for one background job: the cache itself (CPU) or a staging buffer of its own."""
+        io = self._cache()
+        if io.direct:
+            return io
+        try:
+            return self._staging.pop()
+        except IndexError:
+            from kvdi.connectors.blockio import CacheIO
+
+            return CacheIO(self._tensors, io.layer_bytes, self._chunk, staging=True, buffers=self.context.staging)
+
+    def _release_io(self, io: CacheIO) -> None:
+        if io is not self._io:
+            self._staging.append(io)
+
+    def _collect(self, outcomes: list[Outcome]) -> None:
+        """Apply finished jobs on the engine thread: counters, load errors, finished loads."""
+        for out in outcomes:
+            add_stats(self.stats, out.stats)
+            if out.is_load:
+                self.report_load_error(out.failed_blocks)
+                if out.request_id not in self._finishing:
+                    self._received.add(out.request_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished sending: finished requests whose asynchronous jobs are all done; finished receiving:
+        requests whose asynchronous load was collected by this step's ``start_load_kv``."""
+        self._collect(self._queue.harvest(loads=False))
+        self._finishing.update(r for r in finished_req_ids if r in self._held)
+        sending = {r for r in self._finishing if not self._queue.pending(r)}
+        self._finishing -= sending
+        self._held -= sending
+        received, self._received = self._received, set()
+        return sending or None, received or None
+
+    def handle_preemptions(self, preempted_req_ids: Collection[str] | None = None) -> None:
+        """Finish the jobs of requests whose blocks the engine is about to reuse (vLLM's preemption hook).
+
+        vLLM frees a preempted request's blocks without ``request_finished``; call this before
+        the next forward pass with the preempted ids (None: every queued job)."""
+        self._queue.wait(None if preempted_req_ids is None else set(preempted_req_ids))
+        self._collect(self._queue.harvest(loads=False))
+
+    def flush(self) -> None:
+        """Wait until every queued transfer is done; save counters are up to date on return."""
+        self._queue.wait()
+        self._collect(self._queue.harvest(loads=False))
+
+    # -- loads ---------------------------------------------------------------------------------
+
+    def start_load_kv(self) -> None:
+        self._collect(self._queue.harvest(loads=True))  # reported with this step's errors and get_finished
+        meta = self.metadata
+        if not isinstance(meta, BlockTransferMetadata):
+            return
+        if meta.loads:
+            io = self._cache()
+            with self.stats.timed("load_seconds"):
+                for transfer in meta.loads:
+                    self.report_load_error(self._load_request(io, transfer, self.stats, self._background(io)))
+        if isinstance(meta, StoreTransferMetadata):
+            for transfer in meta.async_loads:
+                self._queue.submit_load(transfer.request_id, transfer.block_ids, partial(self._load_job, transfer))
+
+    def _load_job(self, transfer: BlockTransfer) -> Outcome:
+        io = self._job_io()
+        out = Outcome(transfer.request_id, True)
+        try:
+            if self._side is None:
+                out.failed_blocks = tuple(self._load_request(io, transfer, out.stats, None))
+            else:
+                import torch
+
+                with torch.cuda.stream(cast(torch.cuda.Stream, self._side)):
+                    out.failed_blocks = tuple(self._load_request(io, transfer, out.stats, None))
+        finally:
+            self._release_io(io)
+        return out
+
+    def _load_request(
+        self, io: CacheIO, transfer: BlockTransfer, stats: ConnectorStats, executor: ThreadPoolExecutor | None
+    ) -> Sequence[int]:
+        """Load one request's blocks chunk by chunk; return the block ids not loaded (from the first bad one on)."""
+        ids, keys = transfer.block_ids, transfer.block_keys
+        spans = [(s, min(s + self._chunk, len(ids))) for s in range(0, len(ids), self._chunk)]
+        read = partial(read_chunk, self.store, self._read_into, io)
+        ahead = executor.submit(read, ids[: spans[0][1]], keys[: spans[0][1]]) if executor and spans else None
+        for k, (start, end) in enumerate(spans):
+            current: Future[ReadChunk] | None = ahead
+            if executor is not None and k + 1 < len(spans):
+                nxt = spans[k + 1]
+                ahead = executor.submit(read, ids[nxt[0] : nxt[1]], keys[nxt[0] : nxt[1]])
+            else:
+                ahead = None
+            try:
+                chunk = current.result() if current is not None else read(ids[start:end], keys[start:end])
+            except Exception:
+                good = self._load_one_by_one(io, ids[start:end], keys[start:end], stats)
+            else:
+                good = self._verify(io, chunk, stats)
+            io.finish()
+            if start + good < end:
+                if ahead is not None:
+                    wait([ahead])  # it writes into blocks about to be recomputed: let it finish first
+                return ids[start + good :]
+        return ()
+
+    def _load_one_by_one(self, io: CacheIO, ids: Sequence[int], keys: Sequence[bytes], stats: ConnectorStats) -> int:
+        """Read a failed chunk's objects singly; return how many leading ones are in place."""
+        for i, (bid, key) in enumerate(zip(ids, keys, strict=True)):
+            try:
+                chunk = read_chunk(self.store, self._read_into, io, (bid,), (key,))
+            except OSError as exc:  # the medium failed (server gone, disk error): a load failure
+                stats.load_failures += 1
+                self._log_once(f"oserror:{type(exc).__name__}", "loading KV failed, recomputing: %s", exc)
+                return i
+            except Exception as exc:
+                stats.corrupt_dropped += 1
+                self._log_once(f"odd:{type(exc).__name__}", "dropping a stored block the store failed on: %r", exc)
+                self.discard(key)
+                return i
+            good = self._verify(io, chunk, stats)
+            io.finish()
+            if not good:
+                return i
+        return len(ids)
+
+    def _verify(self, io: CacheIO, chunk: ReadChunk, stats: ConnectorStats) -> int:
+        return verify_chunk(
+            io, chunk, stats, self._fingerprint, self._block_bytes, self._log_once, self.discard, self._key
+        )
+
+    def discard(self, key: bytes) -> None:
+        """Drop one bad object from the store; a failure is logged, never raised."""
+        try:
+            self.store.discard(key)
+        except Exception as exc:
+            self._log_once("discard", "could not drop a corrupt block: %r", exc)
+
+    # -- saves ---------------------------------------------------------------------------------
+
+    def wait_for_save(self) -> None:
+        """Synchronous: return when the step's saves are written. Asynchronous: queue them (waiting only
+        while queued saves hold more than ``transfer.max_inflight_bytes``) and return."""
+        meta = self.metadata
+        if not isinstance(meta, BlockTransferMetadata) or not meta.saves:
+            return
+        io = self._cache()
+        with self.stats.timed("save_seconds"):
+            if isinstance(meta, StoreTransferMetadata) and meta.async_save:
+                self._collect(self._queue.harvest(loads=False))
+                for transfer in meta.saves:
+                    self._queue_save(io, transfer)
+            else:
+                self._save_now(io, meta.saves)
+
+    def _queue_save(self, io: CacheIO, transfer: BlockTransfer) -> None:
+        ids, keys = transfer.block_ids, transfer.block_keys
+        for start in range(0, len(ids), self._chunk):
+            span = slice(start, start + self._chunk)
+            job_io = io if io.direct else self._job_io()
+            pieces = None if io.direct else job_io.save_pieces(ids[span])  # device: copy out to staging now
+            job = partial(self._save_job, job_io, transfer.request_id, ids[span], keys[span], pieces)
+            self._queue.submit_save(transfer.request_id, len(ids[span]) * self._block_bytes, ids[span], job)
+
+    def _save_job(
+        self,
+        io: CacheIO,
+        request_id: str,
+        ids: Sequence[int],
+        keys: Sequence[bytes],
+        pieces: list[list[memoryview]] | None,
+    ) -> Outcome:
+        out = Outcome(request_id, False)
+        try:
+            framed = self._frames(io, ids, keys, pieces)
+            self._settle(out.stats, len(framed), partial(self.store.put_many, framed))
+        finally:
+            self._release_io(io)
+        return out
+
+    def _save_now(self, io: CacheIO, saves: Sequence[BlockTransfer]) -> None:
+        executor = self._background(io)
+        ids = [b for t in saves for b in t.block_ids]
+        keys = [k for t in saves for k in t.block_keys]
+        writing: tuple[Future[int | None], int] | None = None
+        for start in range(0, len(ids), self._chunk):
+            items = self._frames(io, ids[start : start + self._chunk], keys[start : start + self._chunk])
+            if executor is None:
+                self._settle(self.stats, len(items), partial(self.store.put_many, items))
+                continue
+            if writing is not None:
+                self._settle(self.stats, writing[1], writing[0].result)
+            writing = (executor.submit(self.store.put_many, items), len(items))
+        if writing is not None:
+            self._settle(self.stats, writing[1], writing[0].result)
+
+    def _frames(
+        self, io: CacheIO, ids: Sequence[int], keys: Sequence[bytes], pieces: list[list[memoryview]] | None = None
+    ) -> list[tuple[bytes, Sequence[Buffer]]]:
+        items: list[tuple[bytes, Sequence[Buffer]]] = []
+        for piece_list, key in zip(io.save_pieces(ids) if pieces is None else pieces, keys, strict=True):
+            items.append((key, [frame_header(self._fingerprint, piece_list, self._key), *piece_list]))
+        return items
+
+    def _settle(self, stats: ConnectorStats, count: int, finish: Callable[[], object]) -> None:
+        """Run or wait for one put_many of ``count`` blocks and count the outcome; nothing is ever raised."""
+        try:
+            written = written_count(finish(), count)
+        except Exception as exc:
+            stats.save_failures += count
+            self._log_once(f"save:{type(exc).__name__}", "saving KV failed, blocks not stored: %r", exc)
+            return
+        if written < count:
+            self._log_once("save:partial", "the store wrote %d of %d blocks", written, count)
+        stats.save_failures += count - written
+        stats.saved_blocks += written
+        stats.saved_bytes += written * self._block_bytes
+
+    def shutdown(self) -> None:
+        """Finish every queued transfer, then stop the threads."""
+        self.flush()
+        self._queue.shutdown()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._staging.clear()
+        self._io = None
+
+
+__all__ = ["CHUNK_BYTES", "StoreWorkerConnector"]
