@@ -16,7 +16,7 @@ from typing import Any
 from kvdi.errors import ConfigError, KvdiError, did_you_mean
 
 EXIT_USAGE = 2
-BENCHES = ("resolution", "storage", "integrity", "redis", "ttft", "p2p")
+BENCHES = ("resolution", "storage", "integrity", "redis", "ttft", "p2p", "async_transfers")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
