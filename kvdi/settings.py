@@ -161,10 +161,11 @@ class P2pSettings(_Section):
     kv_rank: int = Field(0, ge=0)
     kv_parallel_size: int = Field(2, gt=1)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    timeout_s: float = Field(30.0, gt=0)
-    connect_timeout_s: float = Field(60.0, gt=0)
-    hold_s: float = Field(60.0, gt=0)
-    max_held_bytes: int = Field(1 << 30, gt=0)
+    timeout_s: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False)
+    connect_timeout_s: float = Field(60.0, gt=0, le=3600, allow_inf_nan=False)
+    hold_s: float = Field(60.0, gt=0, le=3600, allow_inf_nan=False)
+    max_held_bytes: int = Field(1 << 30, gt=0, le=1 << 40)
+    auth_token: SecretStr | None = None  # shared by both peers; HMAC challenge in the handshake
 
 
 # vLLM KVTransferConfig keys accepted in KVDI_KV_TRANSFER_CONFIG, and where each lands.

@@ -72,9 +72,9 @@ def doomed_producer(port: int, out: Any) -> None:
     """Prefill, stop serving, then die (SIGKILL) the moment the consumer's fetch request arrives."""
     from datetime import timedelta
 
-    from torch._C._distributed_c10d import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    from kvdi.connectors.p2p_channel import REQUEST_QUEUE
+    from kvdi.connectors.p2p.protocol import REQUEST_QUEUE
     from kvdi.containers import build_engine_container
 
     try:

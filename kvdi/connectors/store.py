@@ -29,6 +29,7 @@ from kvdi.connectors.base import (
 )
 from kvdi.connectors.framing import HEADER_SIZE, CorruptObjectError, frame_header, unframe, verify_pieces
 from kvdi.connectors.keys import block_keys
+from kvdi.connectors.plan import RequestPlan
 
 if TYPE_CHECKING:
     import torch
@@ -101,19 +102,6 @@ def require_store(context: ConnectorContext) -> BlockStore:
     return backend
 
 
-@dataclass
-class _RequestPlan:
-    """What the scheduler half knows about one request."""
-
-    keys: list[bytes]
-    stored: int = 0  # leading blocks the store held at lookup
-    saved: int = 0  # blocks below this are stored or already being saved
-    load_from_tokens: int = 0
-    load_start: int = 0
-    load_end: int = 0
-    load_accepted: bool = False
-
-
 class StoreSchedulerConnector(SchedulerConnector):
     """Offers the leading stored blocks of a prompt (consumers) and plans saves of new ones (producers)."""
 
@@ -121,13 +109,13 @@ class StoreSchedulerConnector(SchedulerConnector):
         super().__init__(context)
         self.store = require_store(context)
         self._block_size = context.layout.block_size
-        self._plans: dict[str, _RequestPlan] = {}
+        self._plans: dict[str, RequestPlan] = {}
 
-    def _plan(self, request: KVRequest) -> _RequestPlan:
+    def _plan(self, request: KVRequest) -> RequestPlan:
         plan = self._plans.get(request.request_id)
         if plan is None:
             keys = block_keys(request.prompt_token_ids, self.context.layout, request.cache_salt)
-            plan = self._plans[request.request_id] = _RequestPlan(keys)
+            plan = self._plans[request.request_id] = RequestPlan(keys)
         return plan
 
     def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool]:
