@@ -196,6 +196,16 @@ def test_the_auth_token_is_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     assert TOKEN not in repr(s) and TOKEN not in str(s.model_dump())
 
 
+def test_a_short_auth_token_is_refused_without_showing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvdi.containers import build_kv_container
+
+    monkeypatch.setenv("KVDI_P2P__AUTH_TOKEN", "hunter2")
+    container = build_kv_container(kv_connector="p2p", kv_role="kv_producer", allocator={"device": "cpu"})
+    with pytest.raises(ConfigError, match="KVDI_P2P__AUTH_TOKEN is too short") as info:
+        container.backend()
+    assert "hunter2" not in str(info.value)
+
+
 # -- the listening socket --------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -404,7 +414,7 @@ def test_intruders_and_garbage_are_refused_and_the_producer_keeps_serving() -> N
         reports.get("paired")
         assert listeners(port) == {LOOPBACK_HEX}  # the real producer's store, kv_ip=127.0.0.1
         refusals = {}
-        for label, token in (("wrong", "not the token"), ("missing", None)):
+        for label, token in (("wrong", "not the right token at all"), ("missing", None)):
             intruder_proc = ctx.Process(target=intruder, args=(port, token, out), daemon=True)
             intruder_proc.start()
             procs.append(intruder_proc)

@@ -17,9 +17,15 @@ if TYPE_CHECKING:
     from kvdi.connectors.p2p.channel import P2pChannel
     from kvdi.settings import KvdiSettings, P2pSettings
 
+MIN_TOKEN_CHARS = 16
+
 
 def open_channel(options: P2pSettings, layout: KVCacheSpec, settings: KvdiSettings) -> P2pChannel:
-    """Backend factory of the ``p2p`` spec: rendezvous, handshake and process group (blocks up to ``timeout_s``)."""
+    """Backend factory of the ``p2p`` spec: rendezvous, handshake and process group (blocks up to ``timeout_s``).
+
+    Raises ConfigError for a pairing the settings cannot make (role, rank, an auth token shorter than
+    :data:`MIN_TOKEN_CHARS`), :class:`~kvdi.connectors.p2p.errors.P2pHandshakeError` when the peers do not pair.
+    """
     from kvdi.allocator import resolve_device
     from kvdi.connectors.p2p.channel import P2pChannel
     from kvdi.connectors.p2p.protocol import CONSUMER_RANK, PRODUCER_RANK
@@ -36,6 +42,12 @@ def open_channel(options: P2pSettings, layout: KVCacheSpec, settings: KvdiSettin
             f"p2p pairs one producer (rank {PRODUCER_RANK}) with one consumer (rank {CONSUMER_RANK}): "
             f"kv_role={settings.kv_role} needs KVDI_P2P__KV_RANK={want} and KVDI_P2P__KV_PARALLEL_SIZE=2, "
             f"got kv_rank={options.kv_rank}, kv_parallel_size={options.kv_parallel_size}"
+        )
+    token = options.auth_token.get_secret_value() if options.auth_token is not None else None
+    if token is not None and len(token) < MIN_TOKEN_CHARS:  # the value itself is never shown
+        raise ConfigError(
+            f"KVDI_P2P__AUTH_TOKEN is too short ({len(token)} characters): use at least {MIN_TOKEN_CHARS}, "
+            "e.g. the output of: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
         )
     device = resolve_device(settings.allocator.device)
     return P2pChannel(
