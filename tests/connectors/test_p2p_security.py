@@ -131,6 +131,17 @@ def test_random_bytes_never_raise_anything_but_bad_message(raw: bytes) -> None:
         assert not session.authenticated and isinstance(decoded, Request | Ack)  # never without the MAC
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=256) | st.recursive(st.none() | st.booleans() | st.integers() | st.text(), st.lists))
+def test_a_random_hello_is_a_value_error_or_a_checked_dict(raw: Any) -> None:
+    data = raw if isinstance(raw, bytes) else json.dumps(raw).encode()
+    try:
+        hello = hs.parse_hello(data, 0)
+    except ValueError:
+        return
+    assert hello["rank"] == 0 and hello["role"] in hs.ROLES  # pragma: no cover - random input never gets here
+
+
 @pytest.mark.parametrize(
     "raw",
     [b"not json", b"[]", b'{"role": "kv_producer", "rank": 0}', b'{"role": "kv_producer", "rank": true}'],
