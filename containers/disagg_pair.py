@@ -12,7 +12,8 @@ on one plain engine (``kv_connector=null``) and prints whether the tokens match;
 when they match and the decode engine really loaded tokens.
 
 ``--port 0`` picks a free loopback port; otherwise the profiles' ``kv_port`` is used.
-``KVDI_*`` env vars reach both engines (env beats the profile). To deploy the halves on two
+``KVDI_*`` env vars reach both engines (env beats the profile); unless
+``KVDI_P2P__AUTH_TOKEN`` is set, the two engines share a fresh random token. To deploy the halves on two
 hosts, start each with its profile and ``kvdi`` engine code of your own; this file is the
 smallest runnable composition to copy from.
 """
@@ -24,6 +25,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import secrets
 import socket
 import sys
 from collections.abc import Sequence
@@ -167,6 +169,8 @@ def reference_tokens(prompts: Sequence[Sequence[int]], max_new_tokens: int, devi
 def run(port: int | None, prompts: int, prompt_len: int, new_tokens: int) -> Summary:
     """Start the pair, route the prompts, compare with one engine; returns a report (``match`` says it all)."""
     env: dict[str, str] = {} if port is None else {"KVDI_P2P__KV_PORT": str(port or free_port())}
+    if not os.environ.get("KVDI_P2P__AUTH_TOKEN"):  # the pair shares a fresh secret: nobody else can join it
+        env["KVDI_P2P__AUTH_TOKEN"] = secrets.token_urlsafe(32)
     prefill_env, decode_env, ref_device = device_env()
     rng = random.Random(0)
     os.environ["KVDI_SETTINGS_FILE"] = str(PRODUCER_FILE)

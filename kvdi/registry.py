@@ -153,9 +153,9 @@ BUILTIN_SPECS: tuple[ConnectorSpec, ...] = (
     ),
     ConnectorSpec(
         "p2p",
-        f"{_C}.p2p:P2pSchedulerConnector",
-        f"{_C}.p2p:P2pWorkerConnector",
-        backend=f"{_C}.p2p:open_channel",
+        f"{_C}.p2p.scheduler:P2pSchedulerConnector",
+        f"{_C}.p2p.worker:P2pWorkerConnector",
+        backend=f"{_C}.p2p.backend:open_channel",
         settings="p2p",
         description="producer to consumer over torch.distributed",
     ),

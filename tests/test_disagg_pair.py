@@ -72,9 +72,9 @@ def doomed_producer(port: int, out: Any) -> None:
     """Prefill, stop serving, then die (SIGKILL) the moment the consumer's fetch request arrives."""
     from datetime import timedelta
 
-    from torch._C._distributed_c10d import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    from kvdi.connectors.p2p_channel import REQUEST_QUEUE
+    from kvdi.connectors.p2p.protocol import REQUEST_QUEUE
     from kvdi.containers import build_engine_container
 
     try:
@@ -84,6 +84,8 @@ def doomed_producer(port: int, out: Any) -> None:
         container.kv.backend().stop_serving()  # blocks stay published; nobody answers
         store = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=WAIT_S))
         out.put(("prefilled", None))
+        out.close()  # flush now: a SIGKILL while the feeder thread holds the queue's write lock
+        out.join_thread()  # would block every other writer (the consumer's report) for good
         store.queue_pop(REQUEST_QUEUE)  # the consumer is now waiting for the answer
         os.kill(os.getpid(), signal.SIGKILL)
     except Exception as exc:

@@ -102,13 +102,16 @@ def _halves(container: Any) -> tuple[SchedulerConnector, WorkerConnector]:
 
 
 def _raw_group(port: int, rank: int) -> Any:
-    from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
+    import torch.distributed as dist
 
-    store = TCPStore("127.0.0.1", port, None, rank == 0, timedelta(seconds=TIMEOUT_S), wait_for_workers=False)
-    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._timeout = timedelta(seconds=TIMEOUT_S)
-    options._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    return store, ProcessGroupGloo(PrefixStore("raw", store), rank, 2, options)
+    from kvdi.connectors.p2p.rendezvous import host_store, join_store
+
+    timeout = timedelta(seconds=TIMEOUT_S)
+    store = host_store("127.0.0.1", port, timeout) if rank == 0 else join_store("127.0.0.1", port, timeout)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return store, dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, 2, options)  # type: ignore[attr-defined]
 
 
 def transfer_producer(port: int, raw_port: int, blocks: int, reps: int, out: Any) -> None:

@@ -25,6 +25,7 @@ from kvdi.connectors.base import (
     loadable_tokens,
 )
 from kvdi.connectors.keys import block_keys
+from kvdi.connectors.plan import RequestPlan
 from kvdi.connectors.store_protocol import prefers_async_load, require_store
 
 logger = logging.getLogger(__name__)
@@ -42,21 +43,6 @@ class StoreTransferMetadata(BlockTransferMetadata):
     async_save: bool = False
 
 
-@dataclass
-class _RequestPlan:
-    """What the scheduler half knows about one request."""
-
-    keys: list[bytes]
-    stored: int = 0  # leading blocks the store held at lookup
-    saved: int = 0  # blocks below this are stored or already being saved
-    load_from_tokens: int = 0
-    load_start: int = 0
-    load_end: int = 0
-    load_accepted: bool = False
-    load_async: bool = False
-    held: bool = False  # an asynchronous transfer went to the worker: hold the blocks when it finishes
-
-
 class StoreSchedulerConnector(SchedulerConnector):
     """Offers the leading stored blocks of a prompt (consumers) and plans saves of new ones (producers)."""
 
@@ -66,14 +52,14 @@ class StoreSchedulerConnector(SchedulerConnector):
         self._block_size = context.layout.block_size
         self._block_bytes = context.layout.block_bytes
         self._transfer = context.settings.transfer
-        self._plans: dict[str, _RequestPlan] = {}
+        self._plans: dict[str, RequestPlan] = {}
         self._async_loads: dict[str, BlockTransfer] = {}
 
-    def _plan(self, request: KVRequest) -> _RequestPlan:
+    def _plan(self, request: KVRequest) -> RequestPlan:
         plan = self._plans.get(request.request_id)
         if plan is None:
             keys = block_keys(request.prompt_token_ids, self.context.layout, request.cache_salt)
-            plan = self._plans[request.request_id] = _RequestPlan(keys)
+            plan = self._plans[request.request_id] = RequestPlan(keys)
         return plan
 
     def load_async(self, num_blocks: int) -> bool:
@@ -149,13 +135,10 @@ class StoreSchedulerConnector(SchedulerConnector):
             if producer:
                 prompt_len = len(sched.request.prompt_token_ids)
                 done = min(sched.num_computed_tokens + sched.num_scheduled_tokens, prompt_len) // bs
-                start = max(plan.saved, sched.num_computed_tokens // bs)
-                end = min(done, len(sched.block_ids), len(plan.keys))
-                if end > start:
-                    span = slice(start, end)
-                    saves.append(BlockTransfer(rid, tuple(sched.block_ids[span]), tuple(plan.keys[span])))
+                save = plan.take_save(rid, sched.block_ids, sched.num_computed_tokens // bs, done)
+                if save is not None:
+                    saves.append(save)
                     plan.held = plan.held or async_save
-                plan.saved = max(plan.saved, end)
         for rid in output.finished_req_ids:
             self._plans.pop(rid, None)
         return StoreTransferMetadata(tuple(loads), tuple(saves), async_loads, async_save)

@@ -53,9 +53,9 @@ def within_physical_memory(value: int) -> int:
     return value
 
 
-def duration_field(default: float) -> float:
-    """A pydantic ``Field`` for a duration in seconds: finite, > 0, at most :data:`MAX_DURATION_S`."""
-    return Field(default, gt=0, le=MAX_DURATION_S, allow_inf_nan=False)
+def duration_field(default: float, most: float = MAX_DURATION_S) -> float:
+    """A pydantic ``Field`` for a duration in seconds: finite, > 0, at most ``most`` (:data:`MAX_DURATION_S`)."""
+    return Field(default, gt=0, le=most, allow_inf_nan=False)
 
 
 class _Section(BaseModel):
@@ -214,10 +214,12 @@ class P2pSettings(_Section):
     kv_rank: int = Field(0, ge=0, lt=1 << 16)
     kv_parallel_size: int = Field(2, gt=1, le=1 << 16)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    timeout_s: float = duration_field(30.0)
-    connect_timeout_s: float = duration_field(60.0)
-    hold_s: float = duration_field(60.0)
-    max_held_bytes: int = Field(1 << 30, gt=0)
+    timeout_s: float = duration_field(30.0, most=3600)
+    connect_timeout_s: float = duration_field(60.0, most=3600)
+    hold_s: float = duration_field(60.0, most=3600)
+    max_held_bytes: int = Field(1 << 30, gt=0, le=1 << 40)
+    auth_token: SecretStr | None = None
+    """Shared by both peers (16+ characters); proven with an HMAC challenge in the handshake."""
 
     @field_validator("max_held_bytes")
     @classmethod

@@ -23,8 +23,8 @@ import torch
 
 from kvdi.connectors.base import KVRequest, ScheduledRequest, SchedulerConnector, SchedulerOutput, WorkerConnector
 from kvdi.connectors.framing import HEADER_SIZE, CorruptObjectError, unframe
-from kvdi.connectors.p2p_frames import CacheReceiver, LayerSink, gather_frames
-from kvdi.connectors.p2p_held import Frames, HeldBlocks
+from kvdi.connectors.p2p.frames import CacheReceiver, LayerSink, gather_frames
+from kvdi.connectors.p2p.held import Frames, HeldBlocks
 
 TIMEOUT_S = 3.0
 WAIT_S = 60.0

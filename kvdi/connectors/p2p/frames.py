@@ -1,7 +1,7 @@
 """Moving framed blocks between the paged KV cache and the wire layout of the p2p connector.
 
 A layer's cache is ``[num_blocks, 2, block_size, kv_heads, head_dim]``, so one block of one
-layer is contiguous. The wire layout (:class:`~kvdi.connectors.p2p_held.Frames`) sends
+layer is contiguous. The wire layout (:class:`~kvdi.connectors.p2p.held.Frames`) sends
 layer ``l`` of all blocks of a fetch as one message: when the consumer's target blocks are
 consecutive, that message lands straight in ``cache_l[first:first + count]`` (no copy);
 otherwise in a reusable staging buffer, then one ``index_copy_`` per layer. Each block is
@@ -18,7 +18,7 @@ import numpy as np
 import xxhash
 
 from kvdi.connectors.framing import HEADER_SIZE, CorruptObjectError, check_header, frame_header
-from kvdi.connectors.p2p_held import Frames
+from kvdi.connectors.p2p.held import Frames
 
 if TYPE_CHECKING:
     import torch

@@ -1,76 +1,73 @@
-"""The p2p channel: a TCPStore rendezvous, a layout handshake, and a two-rank process group.
+"""The p2p channel: rendezvous store, handshake, a two-rank process group, and the consumer's side
+of the fetch protocol. The producer's side runs in :mod:`kvdi.connectors.p2p.serving`.
 
-The producer (rank 0) hosts a ``TCPStore`` on ``kv_ip:kv_port``; the consumer (rank 1)
-connects to it. Protocol, all keys under ``kvdi/p2p/``:
+The producer (rank 0) hosts a ``TCPStore`` on ``kv_ip:kv_port`` (bound there only); the
+consumer (rank 1) connects to it. Protocol (store keys under ``kvdi/p2p/``, messages in
+:mod:`kvdi.connectors.p2p.protocol`):
 
-- handshake: each side sets ``hello/<rank>`` (role, backend, layout, fingerprint) and
-  reads the other's; a different fingerprint or backend raises :class:`P2pHandshakeError`
-  on both sides before any process group exists.
-- publish: the producer sets ``has/<key hex>`` for every block it holds and deletes it
-  when the block is freed; the consumer counts a prompt's published prefix with
-  ``check`` (a binary search, so a few round trips per prompt).
-- fetch: the consumer pushes ``{"seq", "keys"}`` onto the ``requests`` queue; the
-  producer's serving thread answers over the process group with a small header tensor
-  (layer bytes, one found-flag per key, the frame headers of the found blocks) and then,
-  if any was found, each layer of the found blocks as uint8 tensors of a few MiB (large
-  messages the consumer can receive straight into its paged cache). The consumer
-  then pushes ``{"ack": seq}`` and the producer frees those blocks (they also expire
-  after ``hold_s``).
+- handshake (:mod:`kvdi.connectors.p2p.handshake`): hellos, optional HMAC proofs of the auth
+  token, layout and backend checks; a mismatch raises :class:`P2pHandshakeError` on both sides
+  before any process group exists.
+- publish: the producer sets ``has/<name>`` for every block it holds and deletes it when the
+  block is freed; the consumer counts a prompt's published prefix with ``check`` (a binary
+  search, so a few round trips per prompt).
+- fetch: the consumer pushes a request onto the ``requests`` queue; the producer answers over
+  the process group with a small header tensor (layer bytes, one found-flag per key, the frame
+  headers of the found blocks) and then each layer of the found blocks as uint8 messages of a
+  few MiB (which the consumer can receive straight into its paged cache). The consumer then
+  pushes an acknowledgement and the producer frees those blocks (they also expire after
+  ``hold_s``).
 
-Failure model: starting up (rendezvous, handshake, process group) waits at most
-``connect_timeout_s``; every lookup and fetch after that at most ``timeout_s`` (TCPStore
-reads run on a watchdog thread because a frozen store server never answers them; gloo
-sends and receives take a timeout). The first failure marks the channel broken for good:
-the consumer then reports no matches and its loads fail at once, so the engine recomputes;
-a broken producer unpublishes everything. One producer serves one consumer; neither
-reconnects (restart both to pair again).
+Failure model: starting up waits at most ``connect_timeout_s``; every lookup and fetch after
+that at most ``timeout_s`` (store reads run on a watchdog thread because a frozen store server
+never answers them; gloo sends and receives take a timeout). The first failure marks the
+channel broken for good: the consumer then reports no matches and its loads fail at once, so
+the engine recomputes; a broken producer unpublishes everything. One producer serves one
+consumer; neither reconnects (restart both to pair again).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCPStore
 
 from kvdi.connectors.framing import HEADER_SIZE
-from kvdi.connectors.p2p import P2pHandshakeError, P2pTransferError
-from kvdi.connectors.p2p_held import Frames, HeldBlocks
-from kvdi.connectors.p2p_rendezvous import Watchdog, handshake_problems
-from kvdi.layout import KVCacheSpec
+from kvdi.connectors.p2p import handshake as hs
+from kvdi.connectors.p2p.errors import P2pHandshakeError, P2pTransferError
+from kvdi.connectors.p2p.held import Frames, HeldBlocks
+from kvdi.connectors.p2p.protocol import (
+    CONSUMER_RANK,
+    PART_BYTES,
+    PREFIX,
+    PRODUCER_RANK,
+    REQUEST_QUEUE,
+    Ack,
+    Request,
+    Session,
+    tag,
+)
+from kvdi.connectors.p2p.rendezvous import host_store, is_loopback, join_store
+from kvdi.connectors.p2p.serving import Server
+from kvdi.connectors.p2p.watchdog import Watchdog
 from kvdi.settings import P2pSettings
+
+if TYPE_CHECKING:  # torch.distributed re-exports it at run time only
+    from torch._C._distributed_c10d import TCPStore
+
+    from kvdi.layout import KVCacheSpec
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "kvdi/p2p/"
-REQUEST_QUEUE = PREFIX + "requests"
-PRODUCER_RANK = 0
-CONSUMER_RANK = 1
-# The serving thread polls the request queue (a blocking pop logs a C++ warning per timeout):
-# every POLL_HOT_S for HOT_S after a message (a consumer fetches once per engine step),
-# backing off to POLL_MAX_S when idle.
-POLL_HOT_S = 0.0002
-HOT_S = 0.05
-POLL_MAX_S = 0.002
-SWEEP_S = 0.1
-_TAGS = 1 << 30
-_PARTS = 1 << 16  # message tags per fetch
-PART_BYTES = 4 << 20  # one message per layer and this many bytes of blocks: hashed while still cached
 T = TypeVar("T")
 Backend = Literal["gloo", "nccl"]
-
-
-def _published(key: bytes) -> str:
-    return f"{PREFIX}has/{key.hex()}"
 
 
 @dataclass(frozen=True)
@@ -110,25 +107,39 @@ class P2pChannel:
         self.rank = PRODUCER_RANK if producer else CONSUMER_RANK
         self.layer_bytes = layout.layer_block_bytes
         self.held = HeldBlocks(options.hold_s, options.max_held_bytes)
+        self._token = options.auth_token.get_secret_value().encode() if options.auth_token else None
+        if self._token is None and not is_loopback(options.kv_ip):
+            logger.warning(
+                "p2p on %s without KVDI_P2P__AUTH_TOKEN: any host that reaches this address can read and "
+                "disturb the pair; set a shared token",
+                self.where,
+            )
         self._timeout = timedelta(seconds=options.timeout_s)
         self._connect_timeout = timedelta(seconds=options.connect_timeout_s)
         self._broken: str | None = None
-        self._stop = threading.Event()
         self._seq = 0
-        self._inflight: dict[int, tuple[list[bytes], float]] = {}
         self._watchdog = Watchdog()
         self._store = self._setup("connecting to the rendezvous store", self._connect)
-        self._peer = self._handshake(engine_id)
+        self._peer, self.session = self._handshake(engine_id)
         self._pg = self._setup("creating the process group", self._make_group)
-        self._server: threading.Thread | None = None
+        self._server: Server | None = None
         if producer:
-            self._server = threading.Thread(target=self._serve, name="kvdi-p2p-serve", daemon=True)
+            self._server = Server(
+                self._store, self._pg, self.held, self.session,
+                layer_bytes=self.layer_bytes, parts=self._parts, wire=self._wire,
+                timeout_s=options.timeout_s, hold_s=options.hold_s, on_break=self._break,
+            )  # fmt: skip
             self._server.start()
 
     # -- setup --------------------------------------------------------------------
     @property
     def where(self) -> str:
         return f"{self.options.kv_ip}:{self.options.kv_port}"
+
+    @property
+    def rejected_messages(self) -> int:
+        """Producer: bad request messages its serving loop dropped so far (0 on a consumer)."""
+        return self._server.rejected if self._server is not None else 0
 
     def _setup(self, what: str, fn: Callable[[], T]) -> T:
         try:
@@ -144,49 +155,57 @@ class P2pChannel:
 
     def _connect(self) -> TCPStore:
         o = self.options
-        return TCPStore(o.kv_ip, o.kv_port, None, self.producer, self._connect_timeout, wait_for_workers=False)
+        if self.producer:
+            return host_store(o.kv_ip, o.kv_port, self._connect_timeout)
+        return join_store(o.kv_ip, o.kv_port, self._connect_timeout)
 
-    def _hello(self, engine_id: str) -> dict[str, Any]:
-        return {
-            "role": "kv_producer" if self.producer else "kv_consumer",
-            "rank": self.rank,
-            "engine_id": engine_id,
-            "backend": self.backend,
-            "fingerprint": self.layout.fingerprint().hex(),
-            "layout": asdict(self.layout),
-        }
-
-    def _handshake(self, engine_id: str) -> dict[str, Any]:
-        mine = self._hello(engine_id)
+    def _handshake(self, engine_id: str) -> tuple[dict[str, Any], Session]:
+        auth = self._token is not None
+        mine = hs.make_hello(rank=self.rank, backend=self.backend, layout=self.layout, engine_id=engine_id, auth=auth)
         peer_rank = 1 - self.rank
         store = self._store
-        self._setup("announcing itself", lambda: store.set(f"{PREFIX}hello/{self.rank}", json.dumps(mine)))
-        self._setup("waiting for its peer", lambda: store.wait([f"{PREFIX}hello/{peer_rank}"], self._connect_timeout))
-        peer: dict[str, Any] = json.loads(
-            self._setup("reading its peer", lambda: store.get(f"{PREFIX}hello/{peer_rank}"))
-        )
+
+        def read(name: str) -> bytes:
+            key = f"{PREFIX}{name}/{peer_rank}"
+            store.wait([key], self._connect_timeout)
+            return bytes(store.get(key))
+
+        self._setup("announcing itself", lambda: store.set(f"{PREFIX}hello/{self.rank}", hs.json_text(mine)))
+        raw = self._setup("waiting for its peer", lambda: read("hello"))
+        try:
+            peer = hs.parse_hello(raw, peer_rank)
+        except ValueError as exc:
+            raise hs.refuse(self.where, [f"the peer's hello is malformed: {exc}"]) from None
+        proof: bytes | None = None
+        if self._token is not None and peer["auth"]:
+            mine_proofs = hs.proofs(self._token, mine, peer, self.layout.fingerprint())
+            self._setup("proving the token", lambda: store.set(f"{PREFIX}proof/{self.rank}", hs.json_text(mine_proofs)))
+            proof = self._setup("waiting for its peer's proof", lambda: read("proof"))
         self._setup("confirming the handshake", lambda: store.set(f"{PREFIX}seen/{self.rank}", "1"))
         if self.producer:  # the store dies with us: let the consumer read our hello before we may raise
             with contextlib.suppress(RuntimeError, TimeoutError):
                 self._watchdog.call(
                     lambda: store.wait([f"{PREFIX}seen/{peer_rank}"], self._timeout), self.options.timeout_s
                 )
-        problems = handshake_problems(mine, peer, self.backend)
+        problems = hs.auth_problems(mine, peer, proof, self._token, self.layout)
+        if not problems:
+            problems = hs.handshake_problems(mine, peer, self.backend)
         if problems:
-            raise P2pHandshakeError(f"p2p handshake on {self.where} refused: " + "; ".join(problems))
-        return peer
+            raise hs.refuse(self.where, problems)
+        key = hs.session_key(self._token, mine, peer) if self._token is not None else None
+        return peer, Session(key)
 
     def _make_group(self) -> Any:
-        store = PrefixStore(PREFIX + "pg", self._store)
+        store = dist.PrefixStore(PREFIX + "pg", self._store)  # type: ignore[attr-defined]
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
             nccl_options = dist.ProcessGroupNCCL.Options()
             nccl_options._timeout = self._timeout
             return dist.ProcessGroupNCCL(store, self.rank, 2, nccl_options)
-        gloo_options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        gloo_options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         gloo_options._timeout = self._timeout  # also bounds every send and receive
-        gloo_options._devices = [ProcessGroupGloo.create_device(hostname=self.options.kv_ip)]
-        return ProcessGroupGloo(store, self.rank, 2, gloo_options)
+        gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.options.kv_ip)]
+        return dist.ProcessGroupGloo(store, self.rank, 2, gloo_options)
 
     # -- state --------------------------------------------------------------------
     @property
@@ -208,15 +227,19 @@ class P2pChannel:
         """Where tensors handed to :meth:`receive` must live: the CPU for gloo, the GPU for NCCL."""
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
-    def _tag(self, seq: int, part: int) -> int:
-        return (seq * _PARTS + part) % _TAGS
+    def _parts(self, count: int) -> list[tuple[int, int, int]]:
+        """``(layer, first, stop)`` of every message of a batch of ``count`` blocks, in sending order."""
+        step = max(1, PART_BYTES // self.layer_bytes)
+        return [
+            (layer, a, min(a + step, count)) for layer in range(self.layout.num_layers) for a in range(0, count, step)
+        ]
 
     # -- consumer -----------------------------------------------------------------
     def count_published(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, the producer holds; 0 once broken."""
         if self._broken is not None or not keys:
             return 0
-        names = [_published(k) for k in keys]
+        names = [self.session.published(self.session.name(k)) for k in keys]
         store = self._store
 
         def search() -> int:
@@ -248,11 +271,11 @@ class P2pChannel:
         seq, n = self._seq, len(keys)
         deadline = time.monotonic() + self.options.timeout_s
         with self._failing(seq, n):
-            message = json.dumps({"seq": seq, "keys": [k.hex() for k in keys]})
+            message = self.session.encode(Request(seq, tuple(self.session.name(k) for k in keys)))
             self._watchdog.call(lambda: self._store.queue_push(REQUEST_QUEUE, message), deadline - time.monotonic())
             header = torch.empty(8 + n * (1 + HEADER_SIZE), dtype=torch.uint8)
             wire = self._wire(header)
-            self._wait(self._pg.recv([wire], PRODUCER_RANK, self._tag(seq, 0)), deadline)
+            self._wait(self._pg.recv([wire], PRODUCER_RANK, tag(seq, 0)), deadline)
             header = wire.cpu()
             layer_bytes = int(header[:8].view(torch.int64).item())
             if layer_bytes != self.layer_bytes:
@@ -277,22 +300,15 @@ class P2pChannel:
             posted = []
             for part, (layer, a, b) in enumerate(self._parts(answer.count), start=1):
                 piece = buffers[layer][a * lb : b * lb]
-                posted.append((layer, a, b, self._pg.recv([piece], PRODUCER_RANK, self._tag(answer.seq, part))))
+                posted.append((layer, a, b, self._pg.recv([piece], PRODUCER_RANK, tag(answer.seq, part))))
             for layer, a, b, work in posted:
                 self._wait(work, answer.deadline)
                 on_part(layer, a, b)
 
-    def _parts(self, count: int) -> list[tuple[int, int, int]]:
-        """``(layer, first, stop)`` of every message of a batch of ``count`` blocks, in sending order."""
-        step = max(1, PART_BYTES // self.layer_bytes)
-        return [
-            (layer, a, min(a + step, count)) for layer in range(self.layout.num_layers) for a in range(0, count, step)
-        ]
-
     def finish(self, answer: Answer) -> None:
         """Tell the producer this fetch is over (it frees the blocks); ends the fetch begun by :meth:`request`."""
         if self._broken is None:
-            message = json.dumps({"ack": answer.seq})
+            message = self.session.encode(Ack(answer.seq))
             with self._failing(answer.seq, len(answer.found)):
                 self._watchdog.call(lambda: self._store.queue_push(REQUEST_QUEUE, message), self.options.timeout_s)
 
@@ -317,90 +333,31 @@ class P2pChannel:
         """Hold framed blocks and publish their keys; returns how many keys were newly published."""
         if self._broken is not None:
             return 0
-        new, evicted = self.held.hold(keys, frames)
+        new, evicted = self.held.hold([self.session.name(k) for k in keys], frames)
         try:
             if new:
-                self._store.multi_set([_published(k) for k in new], ["1"] * len(new))  # type: ignore[attr-defined]
-            for key in evicted:
-                self._store.delete_key(_published(key))
+                published = [self.session.published(n) for n in new]
+                self._store.multi_set(published, ["1"] * len(new))  # type: ignore[attr-defined]
+            for name in evicted:
+                self._store.delete_key(self.session.published(name))
         except RuntimeError as exc:
             self._break(f"publishing failed: {str(exc).splitlines()[0]}")
             return 0
         return len(new)
 
-    def _serve(self) -> None:
-        store = self._store.clone()  # type: ignore[attr-defined]
-        idle = POLL_HOT_S
-        last = time.monotonic()
-        next_sweep = 0.0
-        try:
-            while not self._stop.is_set():
-                if time.monotonic() >= next_sweep:
-                    self._unpublish(store, self.held.expire())
-                    self._forget_stale()
-                    next_sweep = time.monotonic() + SWEEP_S
-                try:
-                    raw = store.queue_pop(REQUEST_QUEUE, False)
-                except dist.QueueEmptyError:
-                    self._stop.wait(idle)
-                    if time.monotonic() - last > HOT_S:
-                        idle = min(idle * 2, POLL_MAX_S)
-                    continue
-                idle, last = POLL_HOT_S, time.monotonic()
-                msg = json.loads(raw)
-                if "ack" in msg:
-                    keys, _ = self._inflight.pop(int(msg["ack"]), ([], 0.0))
-                    self._unpublish(store, self.held.release(keys))
-                else:
-                    self._answer(int(msg["seq"]), [bytes.fromhex(k) for k in msg["keys"]])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            self._break(f"serving failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-            with contextlib.suppress(RuntimeError):  # offer nothing a broken channel cannot send
-                self._unpublish(store, self.held.clear())
-
-    def _answer(self, seq: int, keys: list[bytes]) -> None:
-        found, frames = self.held.lookup(keys)
-        n = len(keys)
-        header = torch.zeros(8 + n * (1 + HEADER_SIZE), dtype=torch.uint8)
-        header[:8].view(torch.int64)[0] = self.layer_bytes
-        header[8 : 8 + n] = torch.tensor(found, dtype=torch.uint8)
-        works = []
-        if frames is not None:
-            header[8 + n : 8 + n + frames.headers.numel()] = frames.headers
-        works.append(self._pg.send([self._wire(header)], CONSUMER_RANK, self._tag(seq, 0)))
-        if frames is not None:
-            lb = self.layer_bytes
-            for part, (layer, a, b) in enumerate(self._parts(frames.count), start=1):
-                piece = self._wire(frames.layers[layer, a * lb : b * lb])
-                works.append(self._pg.send([piece], CONSUMER_RANK, self._tag(seq, part)))
-        for work in works:
-            work.wait(self._timeout)
-        self._inflight[seq] = ([k for k, f in zip(keys, found, strict=True) if f], time.monotonic())
-
-    def _forget_stale(self) -> None:
-        """Drop sent batches never acknowledged (their blocks expire on their own)."""
-        limit = time.monotonic() - self.options.hold_s
-        for seq in [s for s, (_, t) in self._inflight.items() if t < limit]:
-            del self._inflight[seq]
-
-    def _unpublish(self, store: Store, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            store.delete_key(_published(key))
-
     # -- shutdown -----------------------------------------------------------------
     def stop_serving(self) -> None:
         """Producer: stop answering fetches. Held blocks stay published until :meth:`close`, so a
         consumer that asks meanwhile times out after ``timeout_s`` and recomputes."""
-        self._stop.set()
         if self._server is not None:
-            self._server.join(timeout=self.options.timeout_s + 1.0)
-            self._server = None
+            self._server.stop(self.options.timeout_s + 1.0)
 
     def close(self) -> None:
         """Stop serving, unpublish and free held blocks, drop the process group. Idempotent."""
         self.stop_serving()
         with contextlib.suppress(RuntimeError):
-            self._unpublish(self._store, self.held.clear())
+            for name in self.held.clear():
+                self._store.delete_key(self.session.published(name))
         self._pg = None
         self._broken = self._broken or "closed"
 

@@ -1,0 +1,173 @@
+"""The p2p handshake: both peers announce themselves, optionally prove they share the auth token,
+and check that their KV layouts and backends make a pair.
+
+Through the rendezvous store, under ``kvdi/p2p/``: each side sets ``hello/<rank>`` (role, rank,
+backend, a fresh random nonce, whether it authenticates) and reads the other's. Without an
+auth token the hello also carries the layout, its fingerprint and the engine id, compared in
+clear. With one (``KVDI_P2P__AUTH_TOKEN``) the hello carries nothing else, and each side sets
+``proof/<rank>``: ``HMAC-SHA256(token, purpose | role | producer nonce | consumer nonce [|
+layout fingerprint])`` for the purposes ``auth`` and ``layout``. A peer without the token learns
+only the role, the backend and that a token is needed, and cannot compute a proof; the layout
+proof says whether the layouts match without showing either. Both then derive the session key
+``HMAC(token, "session" | nonces)`` that names blocks and signs queue messages
+(:class:`~kvdi.connectors.p2p.protocol.Session`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from kvdi.connectors.p2p.errors import P2pHandshakeError
+
+if TYPE_CHECKING:
+    from kvdi.layout import KVCacheSpec
+
+ROLES = ("kv_producer", "kv_consumer")
+BACKENDS = ("gloo", "nccl")
+NONCE_BYTES = 32
+
+
+def make_hello(*, rank: int, backend: str, layout: KVCacheSpec, engine_id: str, auth: bool) -> dict[str, Any]:
+    """This side's hello: what a peer may learn before (or without) authenticating."""
+    hello: dict[str, Any] = {
+        "role": ROLES[rank],
+        "rank": rank,
+        "backend": backend,
+        "auth": auth,
+        "nonce": secrets.token_hex(NONCE_BYTES),
+    }
+    if not auth:
+        hello |= {"engine_id": engine_id, "fingerprint": layout.fingerprint().hex(), "layout": asdict(layout)}
+    return hello
+
+
+def parse_hello(raw: bytes, peer_rank: int) -> dict[str, Any]:
+    """The peer's hello, checked field by field; raises ValueError naming what is wrong."""
+    try:
+        hello = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"not JSON ({type(exc).__name__})") from None
+    if not isinstance(hello, dict):
+        raise ValueError("not a JSON object")
+    if hello.get("role") not in ROLES or hello.get("rank") != peer_rank or type(hello.get("rank")) is not int:
+        raise ValueError(f"role/rank must be one of {ROLES} on rank {peer_rank}")
+    if hello.get("backend") not in BACKENDS or type(hello.get("auth")) is not bool:
+        raise ValueError(f"backend must be one of {BACKENDS} and auth a boolean")
+    nonce = hello.get("nonce")
+    if not isinstance(nonce, str) or len(nonce) != 2 * NONCE_BYTES or not _is_hex(nonce):
+        raise ValueError(f"nonce must be {2 * NONCE_BYTES} hex digits")
+    if not hello["auth"]:
+        if not isinstance(hello.get("fingerprint"), str) or not isinstance(hello.get("engine_id"), str):
+            raise ValueError("fingerprint and engine_id must be strings")
+        layout = hello.get("layout")
+        if not isinstance(layout, dict) or not all(isinstance(v, str | int | float) for v in layout.values()):
+            raise ValueError("layout must be an object of plain values")
+    return hello
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        return len(bytes.fromhex(text)) * 2 == len(text)
+    except ValueError:
+        return False
+
+
+def _nonces(mine: dict[str, Any], peer: dict[str, Any]) -> bytes:
+    producer, consumer = (mine, peer) if mine["rank"] == 0 else (peer, mine)
+    return bytes.fromhex(producer["nonce"]) + bytes.fromhex(consumer["nonce"])
+
+
+def proofs(token: bytes, hello: dict[str, Any], other: dict[str, Any], fingerprint: bytes) -> dict[str, str]:
+    """The proofs the side that sent ``hello`` gives (``other`` is its peer's hello)."""
+    base = hello["role"].encode() + b"|" + _nonces(hello, other)
+    return {
+        "auth": hmac.new(token, b"auth|" + base, hashlib.sha256).hexdigest(),
+        "layout": hmac.new(token, b"layout|" + base + fingerprint, hashlib.sha256).hexdigest(),
+    }
+
+
+def session_key(token: bytes, mine: dict[str, Any], peer: dict[str, Any]) -> bytes:
+    """The key both sides derive once authenticated (names blocks, signs queue messages)."""
+    return hmac.new(token, b"session|" + _nonces(mine, peer), hashlib.sha256).digest()
+
+
+def json_text(message: dict[str, Any]) -> str:
+    """A hello or proof as stored."""
+    return json.dumps(message)
+
+
+def describe_layout(layout: dict[str, Any]) -> str:
+    """One line naming every field of a layout, as both sides of a handshake print it."""
+    return ", ".join(f"{k}={v}" for k, v in layout.items())
+
+
+_SAME_LAYOUT = "both sides need the same model, dtype, layers, heads, head_dim and block_size"
+
+
+def auth_problems(
+    mine: dict[str, Any], peer: dict[str, Any], peer_proof: bytes | None, token: bytes | None, layout: KVCacheSpec
+) -> list[str]:
+    """What the authentication step says against the peer (empty when both run without a token)."""
+    if mine["auth"] and not peer["auth"]:
+        return ["the peer does not authenticate: set the same KVDI_P2P__AUTH_TOKEN on both sides"]
+    if peer["auth"] and not mine["auth"]:
+        return ["the peer requires authentication: set KVDI_P2P__AUTH_TOKEN (the same on both sides)"]
+    if token is None:
+        return []
+    expected = proofs(token, peer, mine, layout.fingerprint())
+    try:
+        got = json.loads(peer_proof or b"")
+    except (ValueError, RecursionError):
+        got = None
+    if not isinstance(got, dict) or not all(isinstance(got.get(k), str) for k in expected):
+        return ["the peer's proof is malformed"]
+    if not hmac.compare_digest(got["auth"], expected["auth"]):
+        return ["authentication failed: KVDI_P2P__AUTH_TOKEN differs between the two sides"]
+    if not hmac.compare_digest(got["layout"], expected["layout"]):
+        return [
+            f"foreign KV layout: this {mine['role']} has [{describe_layout(asdict(layout))}], "
+            f"the {peer['role']}'s layout fingerprint differs; {_SAME_LAYOUT}"
+        ]
+    return []
+
+
+def handshake_problems(mine: dict[str, Any], peer: dict[str, Any], backend: str) -> list[str]:
+    """What keeps two hello messages (role, backend and, without a token, the layout) from making a pair."""
+    problems: list[str] = []
+    if not mine["auth"] and not peer["auth"] and peer.get("fingerprint") != mine["fingerprint"]:
+        problems.append(
+            f"foreign KV layout: this {mine['role']} has [{describe_layout(mine['layout'])}], "
+            f"the {peer.get('role')} has [{describe_layout(peer.get('layout', {}))}]; {_SAME_LAYOUT}"
+        )
+    if peer.get("backend") != backend:
+        problems.append(
+            f"backend differs: this side uses {backend}, the peer {peer.get('backend')} (KVDI_P2P__BACKEND)"
+        )
+    if peer.get("role") == mine["role"]:
+        problems.append(
+            f"both sides are {mine['role']}; one must be kv_producer (rank 0), the other kv_consumer (rank 1)"
+        )
+    return problems
+
+
+def refuse(where: str, problems: list[str]) -> P2pHandshakeError:
+    """The error both sides raise when the handshake found ``problems``."""
+    return P2pHandshakeError(f"p2p handshake on {where} refused: " + "; ".join(problems))
+
+
+__all__ = [
+    "auth_problems",
+    "describe_layout",
+    "json_text",
+    "handshake_problems",
+    "make_hello",
+    "parse_hello",
+    "proofs",
+    "refuse",
+    "session_key",
+]

@@ -1,0 +1,85 @@
+"""The p2p scheduler half: the producer plans saves of computed prompt blocks (up to the blocks a
+consumer may load); the consumer offers the prefix of a prompt the producer published."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvdi.connectors.base import (
+    BlockTransfer,
+    BlockTransferMetadata,
+    ConnectorContext,
+    KVConnectorMetadata,
+    KVRequest,
+    SchedulerConnector,
+    SchedulerOutput,
+    loadable_tokens,
+)
+from kvdi.connectors.keys import block_keys
+from kvdi.connectors.p2p.backend import require_channel
+from kvdi.connectors.plan import RequestPlan
+
+
+class P2pSchedulerConnector(SchedulerConnector):
+    """Producer: plans saves of computed prompt blocks. Consumer: offers the blocks the producer published."""
+
+    def __init__(self, context: ConnectorContext) -> None:
+        super().__init__(context)
+        self.channel = require_channel(context)
+        self._block_size = context.layout.block_size
+        self._plans: dict[str, RequestPlan] = {}
+        self._loads: list[BlockTransfer] = []
+
+    def _plan(self, request: KVRequest) -> RequestPlan:
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            limit = loadable_tokens(len(request.prompt_token_ids), self._block_size) // self._block_size
+            keys = block_keys(request.prompt_token_ids, self.context.layout, request.cache_salt)[:limit]
+            plan = self._plans[request.request_id] = RequestPlan(keys)
+        return plan
+
+    def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        self.stats.lookups += 1
+        if self.channel.producer:
+            return 0, False
+        plan = self._plan(request)
+        plan.load_from_tokens = num_computed_tokens
+        held = self.channel.count_published(plan.keys)
+        first = num_computed_tokens // self._block_size
+        if held <= first:
+            return 0, False
+        self.stats.lookup_hit_blocks += held - first
+        return held * self._block_size - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: KVRequest, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        if num_external_tokens <= 0 or self.channel.producer:
+            return
+        plan = self._plan(request)
+        start = plan.load_from_tokens // self._block_size
+        end = min(start + num_external_tokens // self._block_size, len(plan.keys), len(block_ids))
+        if end > start:
+            self._loads.append(
+                BlockTransfer(request.request_id, tuple(block_ids[start:end]), tuple(plan.keys[start:end]))
+            )
+
+    def build_connector_meta(self, output: SchedulerOutput) -> KVConnectorMetadata:
+        loads, self._loads = tuple(self._loads), []
+        saves: list[BlockTransfer] = []
+        if self.channel.producer:
+            for sched in output.scheduled:
+                plan = self._plan(sched.request)
+                done = (sched.num_computed_tokens + sched.num_scheduled_tokens) // self._block_size
+                # from block 0: the consumer loads only from the producer, whatever this engine had cached
+                save = plan.take_save(sched.request.request_id, sched.block_ids, 0, done)
+                if save is not None:
+                    saves.append(save)
+        for rid in output.finished_req_ids:
+            self._plans.pop(rid, None)
+        return BlockTransferMetadata(loads, tuple(saves))
+
+    def request_finished(self, request: KVRequest, block_ids: Sequence[int]) -> tuple[bool, None]:
+        self._plans.pop(request.request_id, None)
+        return False, None
+
+
+__all__ = ["P2pSchedulerConnector"]
