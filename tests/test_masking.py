@@ -5,7 +5,7 @@ from __future__ import annotations
 import string
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from pydantic import SecretStr
 
@@ -49,6 +49,7 @@ _PASSWORD = st.text(alphabet=string.ascii_letters + string.digits + "/#@:?&=%!$"
 @given(pw=_PASSWORD, user=st.sampled_from(["", "user", "default"]))
 def test_no_password_survives_in_the_userinfo(pw: str, user: str) -> None:
     """Whatever characters the password holds, none of it is printed."""
+    assume(pw not in f"redis://{user}:***@127.0.0.1:6379/0")  # a password that is part of the rest proves nothing
     shown = mask_url(f"redis://{user}:{pw}@127.0.0.1:6379/0")
     assert pw not in shown
 
@@ -57,6 +58,7 @@ def test_no_password_survives_in_the_userinfo(pw: str, user: str) -> None:
 @given(pw=_PASSWORD.filter(lambda pw: "&" not in pw), key=st.sampled_from(["password", "pass", "token", "auth", "secret"]))
 def test_no_password_survives_in_the_query(pw: str, key: str) -> None:
     """A secret query parameter is hidden up to the next '&', a '#' in it included."""
+    assume(pw not in f"redis://127.0.0.1:6379/0?db=1&{key}=***")  # e.g. "pass" inside "password"
     assert pw not in mask_url(f"redis://127.0.0.1:6379/0?db=1&{key}={pw}")
 
 

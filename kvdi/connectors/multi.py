@@ -112,14 +112,17 @@ class TieredStore:
     def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
         """Write to every tier; return the most objects any tier wrote (the objects now held somewhere).
 
-        A tier that raises counts as having written nothing; the first OSError is raised
-        only if every tier failed.
+        A tier that raises counts as having written nothing, and a tier that wrote less than
+        all counts as a tier failure; the first OSError is raised only if every tier raised.
         """
         errors: list[OSError] = []
         written = 0
         for name, store in self.tiers:
             try:
-                written = max(written, written_count(store.put_many(items), len(items)))
+                done = written_count(store.put_many(items), len(items))
+                if done < len(items):  # stores count their own failures and return what they wrote
+                    self._failed(name, "write", OSError(f"wrote {done} of {len(items)} objects"))
+                written = max(written, done)
             except OSError as exc:
                 errors.append(exc)
                 self._failed(name, "write", exc)

@@ -156,19 +156,21 @@ def test_block_gone_before_load_is_a_load_failure_from_that_block_on(store: File
     assert (engine.worker.stats.load_failures, engine.worker.stats.loaded_blocks) == (1, 1)
 
 
-def test_read_error_is_a_load_failure_not_an_exception(store: FileBlockStore, io_thread: bool) -> None:
+def test_an_unreadable_object_is_a_counted_drop_not_an_exception(store: FileBlockStore, io_thread: bool) -> None:
     engine = producer_then(store)
     engine.worker.io_thread = io_thread
     n, _ = engine.scheduler.get_num_new_matched_tokens(PROMPT, 0)
     path = store.path_for(block_keys(PROMPT.prompt_token_ids, LAYOUT)[0])
     os.unlink(path)
-    os.symlink(path.name, path)  # a symlink loop: open() fails with ELOOP
+    os.symlink(path.name, path)  # a symlink loop: O_NOFOLLOW refuses it (ELOOP)
     engine.scheduler.update_state_after_alloc(PROMPT, (1, 2, 3, 4, 5), n)
     meta = engine.scheduler.build_connector_meta(SchedulerOutput(1, (ScheduledRequest(PROMPT, (1, 2, 3, 4, 5), n, 2),)))
     engine.worker.bind_connector_metadata(meta)
     engine.worker.start_load_kv()
     assert engine.worker.get_block_ids_with_load_errors() == {1, 2, 3, 4}
-    assert engine.worker.stats.load_failures == 1  # the object that failed; the ones after it were not tried
+    # the odd object is dropped and counted once; the ones after it were not tried
+    assert (engine.worker.stats.corrupt_dropped, engine.worker.stats.load_failures) == (1, 0)
+    assert not os.path.lexists(path)
 
 
 def test_write_error_is_a_save_failure_not_an_exception(tmp_path: Path, io_thread: bool) -> None:
