@@ -41,6 +41,7 @@ class ConnectorSpec:
     settings: str | type[Any] | None = None
     requires: tuple[str, ...] = ()
     description: str = ""
+    process_local: bool = False  # blocks live in the worker process's memory (the vLLM adapter indexes them)
 
     def targets(self) -> tuple[str, str, str | None]:
         return (self.scheduler, self.worker, self.backend)
@@ -95,6 +96,7 @@ BUILTIN_SPECS: tuple[ConnectorSpec, ...] = (
         f"{_C}.store:StoreWorkerConnector",
         backend=f"{_C}.cpu_offload:open_store",
         settings="cpu_offload",
+        process_local=True,
         description="host memory pool with LRU eviction",
     ),
     ConnectorSpec(
@@ -264,7 +266,8 @@ def _renamed(spec: ConnectorSpec, name: str) -> ConnectorSpec:
     if spec.name == name:
         return spec
     return ConnectorSpec(
-        name, spec.scheduler, spec.worker, spec.backend, spec.settings, spec.requires, spec.description
+        name, spec.scheduler, spec.worker, spec.backend, spec.settings, spec.requires, spec.description,
+        spec.process_local,
     )
 
 
