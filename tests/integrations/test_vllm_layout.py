@@ -22,7 +22,8 @@ from kvdi.connectors.base import (
 )
 from kvdi.errors import ConfigError
 from kvdi.integrations.vllm.bridge import LayoutBridge
-from kvdi.integrations.vllm.layout import kv_cache_spec, kvdi_layer_view, ordered_layers
+from kvdi.integrations.vllm.layout import kv_cache_spec, kvdi_layer_view, ordered_layers, rank_slice
+from kvdi.integrations.vllm.parallel import RankSlice
 from kvdi.settings import load_settings
 
 SPEC = KVCacheSpec("m", 2, 2, 32, 32, "float32")
@@ -44,7 +45,7 @@ def _vllm_config(tp: int = 1, cache_dtype: str = "auto", dtype: torch.dtype = to
 
 
 def test_layout_follows_the_model_and_cache_config_with_the_format_tag() -> None:
-    spec = kv_cache_spec(_vllm_config(), lambda config: "@tag")
+    spec = kv_cache_spec(_vllm_config(), "@tag")
     assert spec == KVCacheSpec("tiny@tag", 3, 4, 64, 16, "float16")
 
 
@@ -54,7 +55,7 @@ def test_layout_follows_the_model_and_cache_config_with_the_format_tag() -> None
 )
 def test_layouts_kvdi_cannot_store_are_config_errors(config: Any, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
-        kv_cache_spec(config, lambda config: "")
+        kv_cache_spec(config)
 
 
 def test_cpu_layout_is_used_as_is() -> None:
@@ -128,3 +129,19 @@ def test_bridge_copies_non_contiguous_blocks_through_scratch() -> None:
     assert torch.all(views["layers.1"][4] == 0.0)  # slot 1 failed: not copied
     assert bridge.take_errors() == {4} and bridge.take_errors() == set()
     assert torch.all(worker.saved[b"k5"] == 7.0)
+
+
+def test_rank_slice_of_a_worker_follows_vllm_rank_and_the_scheduler_is_rank_zero() -> None:
+    config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2, rank=3))
+    assert rank_slice(config, worker=True) == RankSlice(tp_size=2, pp_size=2, tp_rank=1, pp_rank=1)
+    assert rank_slice(config, worker=False) == RankSlice(tp_size=2, pp_size=2)
+
+
+def test_layout_tag_names_the_parallel_shape_for_keys_and_the_rank_for_frames() -> None:
+    config = _vllm_config(tp=2)
+    shape = RankSlice(tp_size=2, tp_rank=1)
+    scheduler = kv_cache_spec(config, shape.layout_tag())
+    worker = kv_cache_spec(config, shape.layout_tag() + shape.rank_tag())
+    single = kv_cache_spec(_vllm_config())
+    assert scheduler.model_id == "tiny@tp2pp1" and worker.model_id == "tiny@tp2pp1.rank1-0"
+    assert len({scheduler.fingerprint, worker.fingerprint, single.fingerprint}) == 3

@@ -31,4 +31,3 @@ def test_vllm_free_modules_do_not_import_vllm() -> None:
 def test_unknown_attribute_of_the_package_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="NoSuchThing"):
         package.NoSuchThing  # noqa: B018
-

@@ -20,6 +20,10 @@ When a connector's blocks live in the worker's memory
 another process, the scheduler half looks blocks up in a :class:`BlockIndex` that the
 worker keeps current through vLLM's worker-to-scheduler metadata, bounded by the
 backend's capacity.
+
+Under tensor or pipeline parallelism each worker rank stores and loads its own slice of
+every block under its own key, and the scheduler offers a block only when every rank's
+slice is stored (:mod:`.parallel`).
 """
 
 from __future__ import annotations
@@ -37,13 +41,15 @@ except ImportError as exc:  # only vLLM loads this module; say what to install i
     raise ImportError(f"kvdi.integrations.vllm needs vLLM ({exc}); install it with: pip install 'kvdi[vllm]'") from exc
 
 from kvdi.connectors.base import BlockTransferMetadata, SchedulerConnector, WorkerConnector
+from kvdi.connectors.store import StoreSchedulerConnector, StoreWorkerConnector
 from kvdi.containers import KVTransferContainer
 from kvdi.errors import ConfigError, KvdiError, KVLoadError
 from kvdi.integrations.vllm.block_index import BlockIndex, store_capacity_blocks
 from kvdi.integrations.vllm.bridge import LayoutBridge
 from kvdi.integrations.vllm.config import STATS_DIR_KEY, kvdi_settings_kwargs, needs_block_index
 from kvdi.integrations.vllm.envelopes import KvdiConnectorMetadata, KvdiConnectorStats, KvdiWorkerMetadata
-from kvdi.integrations.vllm.layout import kvdi_layer_view, layout_from_vllm, ordered_layers
+from kvdi.integrations.vllm.layout import kvdi_layer_view, layout_from_vllm, ordered_layers, rank_slice
+from kvdi.integrations.vllm.parallel import AllRanksStore, KeyLookup
 from kvdi.integrations.vllm.requests import RequestTracker
 from kvdi.integrations.vllm.shared import SHARED
 from kvdi.integrations.vllm.stats import StatsReporter, check_engine_id, write_stats_file
@@ -71,7 +77,9 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             raise
 
     def _setup(self, vllm_config: VllmConfig, role: VllmRole, kv_cache_config: Any) -> None:
-        self.layout = layout_from_vllm(vllm_config)
+        worker = role != VllmRole.SCHEDULER
+        self._shape = rank_slice(vllm_config, worker)
+        self.layout = layout_from_vllm(vllm_config, self._shape, worker)
         self._engine_id = str(self._kv_transfer_config.engine_id)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._stats_dir: str | None = extra.get(STATS_DIR_KEY)
@@ -87,9 +95,14 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             if role == VllmRole.SCHEDULER:
                 if self._index_mode:
                     self._index = self._block_index(container)
+                elif self._shape.sliced:
+                    backend = cast(KeyLookup, container.backend())
+                    container.backend.override(providers.Object(AllRanksStore(backend, self._shape)))
                 self._scheduler = self.half = cast(SchedulerConnector, container.scheduler_connector())
             else:
                 self._worker = self.half = cast(WorkerConnector, container.worker_connector())
+            if self._shape.sliced:
+                self._check_parallel(container)
         except BaseException:
             SHARED.release(self._engine_id)
             raise
@@ -118,6 +131,17 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         index = BlockIndex(capacity)
         container.backend.override(providers.Object(index))
         return index
+
+    def _check_parallel(self, container: KVTransferContainer) -> None:
+        """Refuse what cannot store per-rank slices: stores in one worker's memory, non-store connectors."""
+        spec = container.connector().spec
+        if self._index_mode or not isinstance(self.half, StoreSchedulerConnector | StoreWorkerConnector):
+            raise ConfigError(
+                f"kvdi.kv_connector={spec.name!r} does not support tensor_parallel_size="
+                f"{self._shape.tp_size} / pipeline_parallel_size={self._shape.pp_size}: with more than one "
+                "rank each rank stores its own slice in a store every process reaches; use shared_storage, "
+                "redis or multi over them"
+            )
 
     @property
     def scheduler_half(self) -> SchedulerConnector:
@@ -202,6 +226,8 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             self._loads_due, self._saves_due = bool(inner.loads), bool(inner.saves)
         else:  # a connector with its own metadata (p2p): let it see every hook
             self._loads_due = self._saves_due = True
+        if isinstance(inner, BlockTransferMetadata) and self._shape.sliced:
+            inner = self._shape.rekey(inner)  # this rank's slice of each block has its own key
         self._worker.bind_connector_metadata(self._bridge.bind(inner) if self._bridge is not None else inner)
 
     def clear_connector_metadata(self) -> None:

@@ -1,6 +1,7 @@
 """vLLM's paged KV cache as kvdi sees it: the :class:`KVCacheSpec`, the block format tag, per-layer views.
 
 - :func:`kv_cache_spec` / :func:`layout_from_vllm`: kvdi's layout of vLLM's model and cache config;
+- :func:`rank_slice`: this process's place in vLLM's tensor/pipeline-parallel shape;
 - :func:`block_format_tag`: how a stored block's bytes are ordered on vLLM's CPU backend;
 - :func:`kvdi_layer_view` / :func:`ordered_layers`: vLLM's per-layer tensors addressed by block id.
 
@@ -10,31 +11,27 @@ Only :func:`block_format_tag` reads vLLM (its platform), and imports it when cal
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kvdi.allocator import KVCacheSpec
 from kvdi.errors import ConfigError
+from kvdi.integrations.vllm.parallel import RankSlice
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def kv_cache_spec(vllm_config: Any, format_tag: Callable[[Any], str]) -> KVCacheSpec:
+def kv_cache_spec(vllm_config: Any, tag: str = "") -> KVCacheSpec:
     """kvdi's KVCacheSpec of vLLM's paged cache: layers, KV heads, head dim, block size, dtype, model id.
 
-    ``vllm_config`` is vLLM's ``VllmConfig``; ``format_tag(vllm_config)`` is appended to the
-    model id (see :func:`kvdi.integrations.vllm.block_format_tag`). Raises ConfigError for what
-    kvdi's stored format cannot describe (quantized KV cache dtypes, tensor or pipeline parallelism).
+    ``vllm_config`` is vLLM's ``VllmConfig``; ``tag`` is appended to the model id (the block
+    format, the parallel shape and rank: see :func:`layout_from_vllm`). Layers and KV heads
+    are this rank's under tensor or pipeline parallelism. Raises ConfigError for what kvdi's
+    stored format cannot describe (quantized KV cache dtypes, other model dtypes).
     """
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ConfigError(
-            "KvdiConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only "
-            f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size}): "
-            "a stored block holds every layer and head"
-        )
     if cache.cache_dtype not in ("auto", None):
         raise ConfigError(
             f"KvdiConnector needs kv_cache_dtype='auto', got {cache.cache_dtype!r}; set --kv-cache-dtype auto"
@@ -43,7 +40,7 @@ def kv_cache_spec(vllm_config: Any, format_tag: Callable[[Any], str]) -> KVCache
     if dtype is None:
         raise ConfigError(f"KvdiConnector stores float32, float16 or bfloat16 KV; the model runs in {model.dtype}")
     return KVCacheSpec(
-        model_id=f"{model.model}{format_tag(vllm_config)}",
+        model_id=f"{model.model}{tag}",
         num_layers=int(model.get_num_layers(parallel)),
         num_kv_heads=int(model.get_num_kv_heads(parallel)),
         head_dim=int(model.get_head_size()),
@@ -52,9 +49,27 @@ def kv_cache_spec(vllm_config: Any, format_tag: Callable[[Any], str]) -> KVCache
     )
 
 
-def layout_from_vllm(vllm_config: Any) -> KVCacheSpec:
-    """kvdi's KVCacheSpec of vLLM's paged cache, tagged with :func:`block_format_tag` (needs vLLM)."""
-    return kv_cache_spec(vllm_config, block_format_tag)
+def rank_slice(vllm_config: Any, worker: bool) -> RankSlice:
+    """This process's :class:`RankSlice`: the parallel shape, and for a worker its TP and PP rank.
+
+    A worker's rank comes from ``parallel_config.rank`` (vLLM sets it per worker:
+    ``pp_rank * tensor_parallel_size + tp_rank``); the scheduler is rank 0 of the shape.
+    """
+    parallel = vllm_config.parallel_config
+    tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
+    rank = int(getattr(parallel, "rank", 0) or 0) if worker else 0
+    return RankSlice(tp_size=tp, pp_size=pp, tp_rank=rank % tp, pp_rank=rank // tp)
+
+
+def layout_from_vllm(vllm_config: Any, shape: RankSlice, worker: bool) -> KVCacheSpec:
+    """kvdi's KVCacheSpec of vLLM's paged cache, its model id tagged with the block format and parallel shape.
+
+    The scheduler's layout (which block keys derive from) names the shape, so engines of
+    different shapes never share keys; a worker's layout (which its frames carry) also
+    names its rank, so one rank's slice never passes as another's. Needs vLLM.
+    """
+    tag = block_format_tag(vllm_config) + shape.layout_tag() + (shape.rank_tag() if worker else "")
+    return kv_cache_spec(vllm_config, tag)
 
 
 def block_format_tag(vllm_config: Any) -> str:
