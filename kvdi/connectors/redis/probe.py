@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvdi.connectors.redis.server import Exchange, RedisNode, pack_command
 from kvdi.connectors.redis.wire import describe
 from kvdi.errors import ConfigError
 
@@ -26,13 +25,12 @@ def _text(reply: object) -> str:
     return reply if isinstance(reply, str) else ""
 
 
-def check_single(node: RedisNode, url: str) -> str:
-    """Summary of one reachable, non-cluster server; ConfigError otherwise."""
-    exchange = node.run(Exchange(node, [pack_command(b"INFO", b"cluster")], 1, "check"))
-    if isinstance(exchange.result, OSError):
-        raise ConfigError(f"KVDI_REDIS__URL={url}: redis server cannot serve: {exchange.result}")
-    assert exchange.result is not None
-    info = _text(exchange.result[0])
+def check_single(result: list[object] | OSError | None, url: str) -> str:
+    """Summary of one reachable, non-cluster server from its ``INFO cluster`` exchange; ConfigError otherwise."""
+    if isinstance(result, OSError):
+        raise ConfigError(f"KVDI_REDIS__URL={url}: redis server cannot serve: {result}")
+    assert result is not None
+    info = _text(result[0])
     if "cluster_enabled:1" in info:
         raise ConfigError(
             f"KVDI_REDIS__CLUSTER is off but KVDI_REDIS__URL={url} is a Redis Cluster node; "

@@ -302,7 +302,8 @@ class RedisBlockStore:
         """Reach the server, make sure it is not a cluster node: a one-line summary, or ConfigError."""
         from kvdi.connectors.redis.probe import check_single
 
-        return check_single(self.node, self.url)
+        exchange = self.node.run(Exchange(self.node, [pack_command(b"INFO", b"cluster")], 1, "check"))
+        return check_single(exchange.result, self.url)
 
     def close(self) -> None:
         """Close every pooled connection; the store must not be used afterwards."""

@@ -1,0 +1,79 @@
+"""kvdi settings from vLLM's config: ``kvdi.``-prefixed extra-config keys, vLLM's role and engine id.
+
+- :func:`settings_overrides` / :func:`kvdi_settings_kwargs`: kvdi settings from the
+  ``kvdi.``-prefixed keys of vLLM's ``kv_connector_extra_config`` plus vLLM's role and engine id;
+- :func:`needs_block_index`: whether the scheduler half needs a :class:`BlockIndex`.
+
+vLLM's config arrives as an attribute bag (typed ``Any``); this module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvdi.errors import ConfigError
+from kvdi.registry import ConnectorSpec
+from kvdi.settings.paths import flatten
+
+EXTRA_PREFIX = "kvdi."
+STATS_DIR_KEY = "kvdi_stats_dir"
+
+# --------------------------------------------------------------------------- config
+
+
+def settings_overrides(extra_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested kvdi overrides from vLLM's extra config: ``{"kvdi.redis.url": u}`` -> ``{"redis": {"url": u}}``.
+
+    A ``"kvdi"`` key holding a mapping is merged the same way; other keys belong to vLLM
+    or other connectors and are ignored.
+    """
+    out: dict[str, Any] = {}
+    items: list[tuple[str, Any]] = []
+    nested = extra_config.get("kvdi")
+    if isinstance(nested, Mapping):
+        items.extend(flatten(nested))
+    items.extend((k[len(EXTRA_PREFIX) :], v) for k, v in extra_config.items() if k.startswith(EXTRA_PREFIX))
+    for dotted, value in items:
+        parts = [p for p in dotted.split(".") if p]
+        if not parts:
+            raise ConfigError(f"kv_connector_extra_config key {EXTRA_PREFIX + dotted!r} names no kvdi setting")
+        node = out
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"kv_connector_extra_config sets kvdi.{part} both as a value and as a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def needs_block_index(spec: ConnectorSpec, vllm_config: Any) -> bool:
+    """True when the connector keeps blocks in the worker's memory and vLLM runs the scheduler in another process.
+
+    "In the worker's memory" is the connector's own declaration
+    (:attr:`~kvdi.registry.ConnectorSpec.process_local`).
+
+    The scheduler half then looks blocks up in a :class:`BlockIndex` that the worker keeps
+    current through vLLM's worker-to-scheduler metadata. With
+    ``distributed_executor_backend="uni"`` both halves share the real store instead.
+    """
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    return spec.process_local and backend not in ("uni", "external_launcher")
+
+
+def kvdi_settings_kwargs(vllm_config: Any) -> dict[str, Any]:
+    """Init kwargs for :func:`kvdi.settings.load_settings`: extra-config overrides plus vLLM's role and engine id.
+
+    vLLM's ``kv_role`` and ``engine_id`` win over the same keys in extra config. kvdi's
+    ``kv_load_failure_policy`` is always ``recompute`` (report, never raise): vLLM's own
+    policy then recomputes or fails the request.
+    """
+    transfer = vllm_config.kv_transfer_config
+    if transfer is None:
+        raise ConfigError("KvdiConnector needs vLLM's kv_transfer_config (--kv-transfer-config)")
+    kwargs = settings_overrides(transfer.kv_connector_extra_config or {})
+    kwargs["kv_role"] = transfer.kv_role or "kv_both"
+    kwargs["engine_id"] = str(transfer.engine_id)
+    kwargs["kv_load_failure_policy"] = "recompute"
+    return kwargs

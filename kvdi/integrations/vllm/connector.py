@@ -1,0 +1,329 @@
+""":class:`KvdiConnector`: vLLM's ``KVConnectorBase_V1`` over kvdi's connector halves (imports vLLM).
+
+vLLM instantiates it once per role (``cls(vllm_config, role, kv_cache_config)``). On
+construction it builds kvdi's settings from the ``kvdi.``-prefixed keys of
+``kv_connector_extra_config`` layered over ``KVDI_*`` env (:mod:`.config`), takes
+``kv_role`` and ``engine_id`` from vLLM, derives the :class:`KVCacheSpec` from vLLM's model
+and cache config (:mod:`.layout`), and builds kvdi's scheduler or worker half from one
+container per engine id per process (:mod:`.shared`). Every vLLM call is translated to
+kvdi's contract (:mod:`kvdi.connectors.base`).
+
+Failed loads go out through ``get_block_ids_with_load_errors`` and vLLM's own
+``kv_load_failure_policy`` decides between recomputing and failing the request (kvdi's
+half always reports instead of raising). Counters go out through
+``get_kv_connector_stats`` (deltas per step, keyed by the registered connector name, None
+when nothing moved) and, when ``kv_connector_extra_config["kvdi_stats_dir"]`` is set, as
+cumulative JSON files (:mod:`.stats`).
+
+When a connector's blocks live in the worker's memory
+(:attr:`~kvdi.registry.ConnectorSpec.process_local`) and vLLM runs the scheduler in
+another process, the scheduler half looks blocks up in a :class:`BlockIndex` that the
+worker keeps current through vLLM's worker-to-scheduler metadata, bounded by the
+backend's capacity.
+
+Under tensor or pipeline parallelism each worker rank stores and loads its own slice of
+every block under its own key, and the scheduler offers a block only when every rank's
+slice is stored (:mod:`.parallel`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from dependency_injector import providers
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole as VllmRole
+    from vllm.logger import init_logger
+except ImportError as exc:  # only vLLM loads this module; say what to install if someone else does
+    raise ImportError(f"kvdi.integrations.vllm needs vLLM ({exc}); install it with: pip install 'kvdi[vllm]'") from exc
+
+from kvdi.connectors.base import BlockTransferMetadata, SchedulerConnector, WorkerConnector
+from kvdi.connectors.store import StoreSchedulerConnector, StoreWorkerConnector
+from kvdi.containers import KVTransferContainer
+from kvdi.errors import ConfigError, KvdiError, KVLoadError
+from kvdi.integrations.vllm.block_index import BlockIndex, store_capacity_blocks
+from kvdi.integrations.vllm.bridge import LayoutBridge
+from kvdi.integrations.vllm.config import STATS_DIR_KEY, kvdi_settings_kwargs, needs_block_index
+from kvdi.integrations.vllm.envelopes import KvdiConnectorMetadata, KvdiConnectorStats, KvdiWorkerMetadata
+from kvdi.integrations.vllm.layout import kvdi_layer_view, layout_from_vllm, ordered_layers, rank_slice
+from kvdi.integrations.vllm.parallel import AllRanksStore, KeyLookup
+from kvdi.integrations.vllm.requests import RequestTracker
+from kvdi.integrations.vllm.shared import SHARED
+from kvdi.integrations.vllm.stats import StatsReporter, check_engine_id, write_stats_file
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(f"vllm.{__name__}")  # vLLM configures only its own logger tree
+
+
+class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
+    """vLLM's KVConnectorBase_V1 over kvdi's connector halves (one role per instance).
+
+    A bad kvdi setting raises a :class:`~kvdi.errors.KvdiError` from the constructor, after
+    logging its one-line message (``kvdi: ...``), so vLLM refuses to start with the reason
+    in its log.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: VllmRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        try:
+            self._setup(vllm_config, role, kv_cache_config)
+        except KvdiError as exc:
+            logger.error("kvdi: %s", exc)
+            raise
+
+    def _setup(self, vllm_config: VllmConfig, role: VllmRole, kv_cache_config: Any) -> None:
+        worker = role != VllmRole.SCHEDULER
+        self._shape = rank_slice(vllm_config, worker)
+        self.layout = layout_from_vllm(vllm_config, self._shape, worker)
+        self._engine_id = str(self._kv_transfer_config.engine_id)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._stats_dir: str | None = extra.get(STATS_DIR_KEY)
+        if self._stats_dir:
+            check_engine_id(self._engine_id)
+        container = SHARED.acquire(self._engine_id, kvdi_settings_kwargs(vllm_config), self.layout)
+        self._index: BlockIndex | None = None
+        self._scheduler: SchedulerConnector | None = None
+        self._worker: WorkerConnector | None = None
+        self.half: SchedulerConnector | WorkerConnector
+        try:
+            self._index_mode = needs_block_index(container.connector().spec, vllm_config)
+            if role == VllmRole.SCHEDULER:
+                if self._index_mode:
+                    self._index = self._block_index(container)
+                elif self._shape.sliced:
+                    backend = cast(KeyLookup, container.backend())
+                    container.backend.override(providers.Object(AllRanksStore(backend, self._shape)))
+                self._scheduler = self.half = cast(SchedulerConnector, container.scheduler_connector())
+            else:
+                self._worker = self.half = cast(WorkerConnector, container.worker_connector())
+            if self._shape.sliced:
+                self._check_parallel(container)
+        except BaseException:
+            SHARED.release(self._engine_id)
+            raise
+        self._step_meta: BlockTransferMetadata | None = None
+        self._loads_due = self._saves_due = False
+        self._stored_keys: list[bytes] = []
+        self._dropped_keys: list[bytes] = []
+        self._tracker = RequestTracker()
+        self._layer_names: dict[str, str] = {}
+        self._views: dict[str, torch.Tensor] = {}
+        self._bridge: LayoutBridge | None = None
+        self._num_blocks: int | None = getattr(kv_cache_config, "num_blocks", None)
+        self._reporter = StatsReporter(self.half.stats)
+        self._closed = False
+        logger.info("kvdi %r %s half for engine %s: %s", self.half.name, role.name, self._engine_id, self.layout)
+
+    def _block_index(self, container: KVTransferContainer) -> BlockIndex:
+        """A key index sized like the worker's store, standing in for the backend in this process."""
+        capacity = store_capacity_blocks(container.backend())
+        container.backend.shutdown()  # this process only needed its size; the worker holds the blocks
+        if capacity is None:
+            raise ConfigError(
+                f"connector {container.connector().spec.name!r} is process-local but its backend does not say "
+                "how many blocks it holds (num_slots); run vLLM with distributed_executor_backend='uni'"
+            )
+        index = BlockIndex(capacity)
+        container.backend.override(providers.Object(index))
+        return index
+
+    def _check_parallel(self, container: KVTransferContainer) -> None:
+        """Refuse what cannot store per-rank slices: stores in one worker's memory, non-store connectors."""
+        spec = container.connector().spec
+        if self._index_mode or not isinstance(self.half, StoreSchedulerConnector | StoreWorkerConnector):
+            raise ConfigError(
+                f"kvdi.kv_connector={spec.name!r} does not support tensor_parallel_size="
+                f"{self._shape.tp_size} / pipeline_parallel_size={self._shape.pp_size}: with more than one "
+                "rank each rank stores its own slice in a store every process reaches; use shared_storage, "
+                "redis or multi over them"
+            )
+
+    @property
+    def scheduler_half(self) -> SchedulerConnector:
+        if self._scheduler is None:
+            raise RuntimeError("KvdiConnector built for the worker role was called as a scheduler")
+        return self._scheduler
+
+    @property
+    def worker_half(self) -> WorkerConnector:
+        if self._worker is None:
+            raise RuntimeError("KvdiConnector built for the scheduler role was called as a worker")
+        return self._worker
+
+    # ---------------------------------------------------------------- scheduler role
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens kvdi can load beyond ``num_computed_tokens`` (vLLM's local prefix-cache hit; 0 for producers)."""
+        n, load_async = self.scheduler_half.get_num_new_matched_tokens(
+            self._tracker.request(request), num_computed_tokens
+        )
+        return n, bool(load_async and n)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Forward the request's blocks (first KV cache group) and accepted token count to kvdi."""
+        ids = blocks.get_block_ids()[0] if blocks is not None else []
+        self.scheduler_half.update_state_after_alloc(self._tracker.request(request), list(ids), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvdiConnectorMetadata:
+        """kvdi's metadata for this step, in vLLM's envelope."""
+        output = self._tracker.translate(scheduler_output)
+        return KvdiConnectorMetadata(inner=self.scheduler_half.build_connector_meta(output))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Tell kvdi the request ended; returns kvdi's (delay_free, kv_transfer_params)."""
+        req = self._tracker.request(request)
+        try:
+            return self.scheduler_half.request_finished(req, list(block_ids))
+        finally:
+            self._tracker.forget(req.request_id)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Apply the worker's report of stored and vanished keys to the scheduler's :class:`BlockIndex`."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self._index is not None and isinstance(meta, KvdiWorkerMetadata):
+            self._index.add(meta.stored)
+            for key in meta.dropped:
+                self._index.discard(key)
+
+    # ---------------------------------------------------------------- worker role
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Map vLLM's layers to kvdi's ``layers.<i>`` and hand kvdi's worker half caches in kvdi's layout."""
+        names = ordered_layers(list(kv_caches))
+        expected = self.layout.layer_names
+        if len(names) != len(expected):
+            raise ConfigError(f"vLLM registered {len(names)} KV cache layers, the model config says {len(expected)}")
+        self._layer_names = dict(zip(names, expected, strict=True))
+        self._views = {
+            kvdi: kvdi_layer_view(kv_caches[name], self.layout, self._num_blocks)
+            for name, kvdi in self._layer_names.items()
+        }
+        self._bridge = LayoutBridge(self._views, self.worker_half)
+        logger.info(
+            "kvdi: vLLM KV layer %s has shape %s; kvdi block view %s (%s)",
+            names[0],
+            tuple(kv_caches[names[0]].shape),
+            tuple(self._views[expected[0]].shape),
+            "zero-copy" if self._bridge.direct else "bridged through a kvdi-layout scratch cache",
+        )
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Hand kvdi's worker half this step's metadata; note whether the step loads or saves anything."""
+        super().bind_connector_metadata(connector_metadata)
+        self._step_meta, self._loads_due, self._saves_due = None, False, False
+        if self._worker is None or not isinstance(connector_metadata, KvdiConnectorMetadata):
+            return
+        inner = connector_metadata.inner
+        if inner is None:
+            return
+        if isinstance(inner, BlockTransferMetadata):
+            self._step_meta = inner
+            self._loads_due, self._saves_due = bool(inner.loads), bool(inner.saves)
+        else:  # a connector with its own metadata (p2p): let it see every hook
+            self._loads_due = self._saves_due = True
+        if isinstance(inner, BlockTransferMetadata) and self._shape.sliced:
+            inner = self._shape.rekey(inner)  # this rank's slice of each block has its own key
+        self._worker.bind_connector_metadata(self._bridge.bind(inner) if self._bridge is not None else inner)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Run kvdi's loads for this step into vLLM's paged cache (nothing when the step loads nothing)."""
+        if self._worker is None or not self._loads_due:
+            return
+        try:
+            self._worker.start_load_kv()
+        except KVLoadError as exc:  # kvdi is set to report, but never take the engine down
+            logger.warning("kvdi load failed: %s", exc)
+        if self._bridge is not None:
+            self._bridge.after_load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None and self._loads_due:
+            self._worker.wait_for_layer_load(self._layer_names.get(layer_name, layer_name))
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if self._worker is None or not self._saves_due:
+            return
+        kvdi_name = self._layer_names.get(layer_name)
+        if kvdi_name is not None:
+            self._worker.save_kv_layer(kvdi_name, self._views[kvdi_name])
+
+    def wait_for_save(self) -> None:
+        if self._worker is None or not self._saves_due:
+            return
+        if self._bridge is not None:
+            self._bridge.before_save()
+        failures = self._worker.stats.save_failures
+        self._worker.wait_for_save()
+        if self._index_mode and self._step_meta is not None and self._worker.stats.save_failures == failures:
+            self._stored_keys.extend(k for t in self._step_meta.saves for k in t.block_keys)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM block ids whose kvdi load failed (missing, corrupt, foreign); vLLM recomputes or fails them."""
+        if self._bridge is not None:
+            errors = self._bridge.take_errors()
+        else:
+            errors = self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+        if errors and self._index_mode and self._step_meta is not None:
+            # A chain stops loading at its first bad block: the rest of it is gone for the scheduler too.
+            self._dropped_keys.extend(
+                k for t in self._step_meta.loads for b, k in zip(t.block_ids, t.block_keys, strict=True) if b in errors
+            )
+        return errors
+
+    def build_connector_worker_meta(self) -> KvdiWorkerMetadata | None:
+        """Keys stored or found gone this step, for the scheduler's :class:`BlockIndex` (None otherwise)."""
+        if not (self._stored_keys or self._dropped_keys):
+            return None
+        meta = KvdiWorkerMetadata(tuple(self._stored_keys), tuple(self._dropped_keys))
+        self._stored_keys, self._dropped_keys = [], []
+        return meta
+
+    # ---------------------------------------------------------------- both roles
+
+    def get_kv_connector_stats(self) -> KvdiConnectorStats | None:
+        """kvdi's counters since the last call, keyed by the registered connector name; None when none moved."""
+        delta = self._reporter.delta()
+        if delta is None:
+            return None
+        if self._stats_dir:
+            self._write_stats()
+        return KvdiConnectorStats(data={self.half.name: delta})
+
+    def _write_stats(self) -> None:
+        assert self._stats_dir is not None
+        role = self.role.name.lower()
+        write_stats_file(self._stats_dir, self._engine_id, role, self.half.name, self._reporter.as_dict())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvdiConnectorStats:
+        return KvdiConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        """Write final counters, shut kvdi's half down, release the shared container."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._stats_dir:
+            self._write_stats()
+        try:
+            self.half.shutdown()
+        finally:
+            SHARED.release(self._engine_id)
+
+
+__all__ = ["KvdiConnector"]

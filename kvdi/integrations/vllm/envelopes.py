@@ -1,0 +1,61 @@
+"""kvdi's messages and counters in vLLM's own envelope types (imports vLLM).
+
+- :class:`KvdiConnectorMetadata`: scheduler to worker, per step (kvdi's metadata inside);
+- :class:`KvdiWorkerMetadata`: worker to scheduler, per step (keys stored / found gone);
+- :class:`KvdiConnectorStats`: kvdi counters in vLLM's stats pipeline, summed across workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata as VllmConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvdi.connectors.base import KVConnectorMetadata
+
+
+@dataclass
+class KvdiWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc,unused-ignore]
+    """Worker to scheduler, per step: keys stored and keys found gone (only for a :class:`BlockIndex`)."""
+
+    stored: tuple[bytes, ...] = ()
+    dropped: tuple[bytes, ...] = ()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvdiWorkerMetadata:
+        if not isinstance(other, KvdiWorkerMetadata):
+            return self
+        return KvdiWorkerMetadata(self.stored + other.stored, self.dropped + other.dropped)
+
+
+@dataclass
+class KvdiConnectorMetadata(VllmConnectorMetadata):  # type: ignore[misc,unused-ignore]
+    """vLLM's metadata envelope around kvdi's per-step metadata (pickled to the workers)."""
+
+    inner: KVConnectorMetadata | None = None
+
+
+@dataclass
+class KvdiConnectorStats(KVConnectorStats):  # type: ignore[misc,unused-ignore]
+    """kvdi counters in vLLM's stats pipeline: ``data = {connector_name: {counter: value}}``."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KvdiConnectorStats:
+        merged: dict[str, dict[str, float]] = {name: dict(c) for name, c in self.data.items()}
+        for name, counters in (other.data or {}).items():
+            into = merged.setdefault(name, {})
+            for key, value in counters.items():
+                into[key] = into.get(key, 0) + value
+        return KvdiConnectorStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"{name}.{key}": v for name, counters in self.data.items() for key, v in counters.items() if v}
+
+    def is_empty(self) -> bool:
+        return not any(value for counters in self.data.values() for value in counters.values())

@@ -1,0 +1,112 @@
+"""Tensor and pipeline parallelism: each worker rank stores and loads its own slice of a block (vLLM-free).
+
+With ``tensor_parallel_size`` or ``pipeline_parallel_size`` above 1 every worker rank holds
+only its KV heads (TP) of its layers (PP). kvdi then stores one object per block per rank:
+
+- the layout's model id carries the parallel shape (``@tp2pp1``) on both halves, so a
+  TP=2 engine never shares keys with a TP=1 engine; a worker's layout also names its rank
+  (``.rank1-0``), so the frame fingerprint of one rank's slice never matches another's;
+- the worker re-keys each step's transfers with :meth:`RankSlice.key` (one key per rank
+  per block, derived from the block key);
+- the scheduler looks blocks up through :class:`AllRanksStore`: a block counts as stored
+  only when every rank's slice is, so no request is offered a block some rank cannot load.
+  A slice that vanishes anyway fails that rank's load; vLLM unions the failed block ids
+  of all ranks and recomputes the block on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata
+
+
+class KeyLookup(Protocol):
+    """The part of a :class:`~kvdi.connectors.store.BlockStore` the scheduler half's lookups use."""
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int: ...
+
+    def discard(self, key: bytes) -> None: ...
+
+
+@dataclass(frozen=True)
+class RankSlice:
+    """One worker rank's place in vLLM's parallel layout (all 1 / 0 when vLLM runs on one device)."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+
+    @property
+    def sliced(self) -> bool:
+        """True when a block is split over more than one rank."""
+        return self.tp_size > 1 or self.pp_size > 1
+
+    def layout_tag(self) -> str:
+        """Model-id suffix naming the parallel shape (empty for one rank)."""
+        return f"@tp{self.tp_size}pp{self.pp_size}" if self.sliced else ""
+
+    def rank_tag(self) -> str:
+        """Model-id suffix naming this rank within the shape (empty for one rank)."""
+        return f".rank{self.tp_rank}-{self.pp_rank}" if self.sliced else ""
+
+    def ranks(self) -> list[RankSlice]:
+        """Every rank of this shape."""
+        return [RankSlice(self.tp_size, self.pp_size, t, p) for p in range(self.pp_size) for t in range(self.tp_size)]
+
+    def key(self, block_key: bytes) -> bytes:
+        """The key of this rank's slice of the block ``block_key`` (``block_key`` itself for one rank)."""
+        if not self.sliced:
+            return block_key
+        h = hashlib.blake2b(block_key, digest_size=len(block_key), person=b"kvdi-rank-slice")
+        h.update(f"{self.tp_rank}/{self.tp_size}:{self.pp_rank}/{self.pp_size}".encode())
+        return h.digest()
+
+    def rekey(self, metadata: BlockTransferMetadata) -> BlockTransferMetadata:
+        """``metadata`` with every block key replaced by this rank's slice key."""
+        if not self.sliced:
+            return metadata
+
+        def each(transfers: Sequence[BlockTransfer]) -> tuple[BlockTransfer, ...]:
+            return tuple(
+                BlockTransfer(t.request_id, t.block_ids, tuple(self.key(k) for k in t.block_keys)) for t in transfers
+            )
+
+        return BlockTransferMetadata(each(metadata.loads), each(metadata.saves))
+
+
+class AllRanksStore:
+    """The scheduler's view of a shared store holding per-rank slices: a block is there when every slice is.
+
+    Wraps the real backend for lookups only (the scheduler half never reads or writes
+    payloads); closing it leaves the backend to its owner.
+    """
+
+    def __init__(self, backend: KeyLookup, shape: RankSlice) -> None:
+        self.backend = backend
+        self.ranks = shape.ranks()
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        n = len(keys)
+        for rank in self.ranks:
+            if n == 0:
+                break
+            n = min(n, self.backend.count_prefix([rank.key(k) for k in keys[:n]]))
+        return n
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Any]:
+        return [None] * len(keys)
+
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[Any]]]) -> int:
+        return 0  # never called by the scheduler half; the workers write their slices
+
+    def discard(self, key: bytes) -> None:
+        for rank in self.ranks:
+            self.backend.discard(rank.key(key))
+
+    def close(self) -> None:
+        """Nothing: the wrapped backend belongs to the container."""

@@ -1,0 +1,102 @@
+"""vLLM requests and scheduler output as kvdi's :class:`KVRequest` and :class:`SchedulerOutput`.
+
+vLLM objects arrive here as attribute bags (typed ``Any``: vLLM's ``Request``,
+``SchedulerOutput``, ``NewRequestData``, ``CachedRequestData``); this module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvdi.connectors.base import KVRequest, ScheduledRequest, SchedulerOutput
+from kvdi.connectors.keys import compose_salt
+
+
+def kv_request(request: Any) -> KVRequest:
+    """kvdi's view of a vLLM ``Request``: id, prompt tokens, and a salt covering cache salt, LoRA and images.
+
+    Each part of the salt is tagged and length-prefixed, so requests differing in any of
+    them never share KV. Requests with prompt embeddings instead of token ids get no
+    tokens (never cached).
+    """
+    salt = getattr(request, "cache_salt", None)
+    lora = getattr(request, "lora_request", None)
+    lora_name = None if lora is None else str(getattr(lora, "lora_name", lora))
+    mm = [str(getattr(f, "identifier", f)) for f in getattr(request, "mm_features", None) or ()]
+    tokens = getattr(request, "prompt_token_ids", None) or ()
+    return KVRequest(
+        str(request.request_id),
+        tuple(int(t) for t in tokens),
+        compose_salt(None if salt is None else str(salt), lora_name, mm),
+    )
+
+
+class RequestTracker:
+    """What the scheduler half remembers per running request to rebuild kvdi's full :class:`ScheduledRequest`.
+
+    One :class:`KVRequest` per request id, built on first sight and reused until the
+    request finishes; each request's block list as vLLM grows it (vLLM sends only new
+    blocks of running requests), with its tuple rebuilt only when it changed.
+    """
+
+    def __init__(self) -> None:
+        self.requests: dict[str, KVRequest] = {}
+        self.blocks: dict[str, list[int]] = {}
+        self._block_tuples: dict[str, tuple[int, ...]] = {}
+        self.step = 0
+
+    def request(self, vllm_request: Any) -> KVRequest:
+        """The :class:`KVRequest` of ``vllm_request``, built once per request id."""
+        rid = str(vllm_request.request_id)
+        request = self.requests.get(rid)
+        if request is None:
+            request = self.requests[rid] = kv_request(vllm_request)
+        return request
+
+    def remember(self, request: KVRequest) -> None:
+        self.requests[request.request_id] = request
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.blocks.pop(request_id, None)
+        self._block_tuples.pop(request_id, None)
+
+    def _set_blocks(self, req_id: str, blocks: list[int]) -> None:
+        self.blocks[req_id] = blocks
+        self._block_tuples.pop(req_id, None)
+
+    def translate(self, output: Any) -> SchedulerOutput:
+        """kvdi's SchedulerOutput of one vLLM step; updates block lists (new requests, growth, resumption)."""
+        scheduled: list[ScheduledRequest] = []
+        for new in output.scheduled_new_reqs:
+            req_id = str(new.req_id)
+            request = self.requests.get(req_id)
+            if request is None:
+                request = KVRequest(req_id, tuple(new.prompt_token_ids or ()))
+                self.requests[req_id] = request
+            self._set_blocks(req_id, list(new.block_ids[0]) if new.block_ids else [])
+            scheduled.append(self._scheduled(request, new.num_computed_tokens, output))
+        cached = output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                self._set_blocks(req_id, list(new_blocks[0]) if new_blocks else [])
+            elif new_blocks and new_blocks[0]:
+                self.blocks.setdefault(req_id, []).extend(new_blocks[0])
+                self._block_tuples.pop(req_id, None)
+            scheduled.append(self._scheduled(request, cached.num_computed_tokens[i], output))
+        finished = frozenset(str(r) for r in output.finished_req_ids)
+        for req_id in finished:
+            self.forget(req_id)
+        self.step += 1
+        return SchedulerOutput(self.step, tuple(scheduled), finished)
+
+    def _scheduled(self, request: KVRequest, num_computed: int, output: Any) -> ScheduledRequest:
+        rid = request.request_id
+        blocks = self._block_tuples.get(rid)
+        if blocks is None:
+            blocks = self._block_tuples[rid] = tuple(self.blocks.get(rid, ()))
+        return ScheduledRequest(request, blocks, int(num_computed), int(output.num_scheduled_tokens.get(rid, 0)))

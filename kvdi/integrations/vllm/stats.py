@@ -1,0 +1,101 @@
+"""kvdi's counters for vLLM: cheap per-step deltas and private, atomically replaced stats files (vLLM-free).
+
+:class:`StatsReporter` reads a half's :class:`~kvdi.connectors.base.ConnectorStats` as one
+tuple per step and builds nothing when nothing changed, so an idle step costs one
+attribute fetch per counter and a tuple comparison.
+:func:`write_stats_file` publishes cumulative counters under ``kvdi_stats_dir`` the way
+kvdi's stores write objects: owner-only, random ``O_EXCL|O_NOFOLLOW`` temp names, an
+atomic rename, no symlink followed in the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+from operator import attrgetter
+from pathlib import Path
+
+from kvdi.connectors.base import ConnectorStats
+from kvdi.errors import ConfigError
+
+_FILE_MODE = 0o600
+_DIR_MODE = 0o700
+
+
+def check_engine_id(engine_id: str) -> str:
+    """``engine_id`` when it can name a file in the stats directory; ConfigError otherwise."""
+    if not engine_id or "/" in engine_id or "\\" in engine_id or "\0" in engine_id or ".." in engine_id:
+        raise ConfigError(
+            f"kv_transfer_config.engine_id={engine_id!r} cannot name a kvdi stats file: it must be non-empty "
+            "and contain no '/', '\\\\', NUL or '..'; set another engine_id or drop kv_connector_extra_config"
+            "['kvdi_stats_dir']"
+        )
+    return engine_id
+
+
+class StatsReporter:
+    """Deltas of one half's counters since the previous call, built only when a counter moved."""
+
+    def __init__(self, stats: ConnectorStats) -> None:
+        self.stats = stats
+        self.names = tuple(f.name for f in dataclasses.fields(stats))
+        self._read = attrgetter(*self.names)
+        self._reported: tuple[int | float, ...] = self.snapshot()
+
+    def snapshot(self) -> tuple[int | float, ...]:
+        """The counters now, in :attr:`names` order."""
+        values = self._read(self.stats)
+        return values if isinstance(values, tuple) else (values,)
+
+    def delta(self) -> dict[str, int | float] | None:
+        """Counters that changed since the last call (name -> increase), or None when none did."""
+        now = self.snapshot()
+        before = self._reported
+        if now == before:
+            return None
+        self._reported = now
+        return {name: new - old for name, new, old in zip(self.names, now, before, strict=True) if new != old}
+
+    def as_dict(self) -> dict[str, int | float]:
+        """Cumulative counters by name."""
+        return dict(zip(self.names, self.snapshot(), strict=True))
+
+
+def write_stats_file(
+    directory: str | Path, engine_id: str, role: str, name: str, counters: dict[str, int | float]
+) -> Path:
+    """Cumulative ``counters`` as ``<dir>/<engine_id>-<role>-<pid>.json`` (mode 0600), published atomically.
+
+    The directory is created 0700 when missing and must not be a symlink; the file is
+    written under a random temp name opened ``O_CREAT|O_EXCL|O_NOFOLLOW`` relative to the
+    directory's descriptor and renamed over the target, so a planted symlink is neither
+    followed nor written through. Raises ConfigError for an ``engine_id`` that is not a
+    plain file name part, OSError when the directory cannot be used.
+    """
+    check_engine_id(engine_id)
+    path = Path(directory)
+    path.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        target = f"{engine_id}-{role}-{os.getpid()}.json"
+        tmp = f".{target}.{secrets.token_hex(8)}.tmp"
+        payload = json.dumps({"connector": name, "role": role, "engine_id": engine_id, **counters}).encode()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, _FILE_MODE, dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fd = -1
+                fh.write(payload)
+            os.replace(tmp, target, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        return path / target
+    finally:
+        os.close(dir_fd)

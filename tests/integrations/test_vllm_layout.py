@@ -1,0 +1,147 @@
+"""vLLM's paged KV tensors as kvdi addresses them (kvdi.integrations.vllm.layout and .bridge), without vLLM.
+
+The integration suite checks the CPU layout against vLLM's own attention kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvdi.connectors.base import (
+    BlockTransfer,
+    BlockTransferMetadata,
+    ConnectorContext,
+    KVConnectorRole,
+    WorkerConnector,
+)
+from kvdi.errors import ConfigError
+from kvdi.integrations.vllm.bridge import LayoutBridge
+from kvdi.integrations.vllm.layout import kv_cache_spec, kvdi_layer_view, ordered_layers, rank_slice
+from kvdi.integrations.vllm.parallel import RankSlice
+from kvdi.layout import KVCacheSpec
+from kvdi.settings import load_settings
+
+SPEC = KVCacheSpec("m", 2, 2, 32, 32, "float32")
+
+
+def _vllm_config(tp: int = 1, cache_dtype: str = "auto", dtype: torch.dtype = torch.float16) -> Any:
+    model = SimpleNamespace(
+        model="tiny",
+        dtype=dtype,
+        get_num_layers=lambda parallel: 3,
+        get_num_kv_heads=lambda parallel: 4,
+        get_head_size=lambda: 64,
+    )
+    return SimpleNamespace(
+        model_config=model,
+        cache_config=SimpleNamespace(block_size=16, cache_dtype=cache_dtype),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+    )
+
+
+def test_layout_follows_the_model_and_cache_config_with_the_format_tag() -> None:
+    spec = kv_cache_spec(_vllm_config(), "@tag")
+    assert spec == KVCacheSpec("tiny@tag", 3, 4, 64, 16, "float16")
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [(_vllm_config(cache_dtype="fp8"), "kv_cache_dtype"), (_vllm_config(dtype=torch.int8), "float32")],
+)
+def test_layouts_kvdi_cannot_store_are_config_errors(config: Any, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        kv_cache_spec(config)
+
+
+def test_cpu_layout_is_used_as_is() -> None:
+    cache = torch.zeros(6, SPEC.num_kv_heads, SPEC.block_size, 2 * SPEC.head_dim)
+    view = kvdi_layer_view(cache, SPEC)
+    assert view.data_ptr() == cache.data_ptr() and view[1].numel() * view.element_size() == SPEC.layer_block_bytes
+
+
+def test_flash_attention_layout_is_viewed_in_kvdi_order() -> None:
+    cache = torch.randn(2, 5, SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
+    view = kvdi_layer_view(cache, SPEC, num_blocks=5)
+    assert view.shape == (5, 2, SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
+    assert torch.equal(view[3, 1], cache[1, 3])
+
+
+def test_unknown_cache_shape_is_a_config_error_naming_it() -> None:
+    with pytest.raises(ConfigError, match=r"\(7, 3\)"):
+        kvdi_layer_view(torch.zeros(7, 3), SPEC)
+
+
+def test_layers_are_ordered_by_number_not_text() -> None:
+    names = ["model.layers.10.self_attn.attn", "model.layers.2.self_attn.attn", "model.layers.0.self_attn.attn"]
+    assert ordered_layers(names) == [names[2], names[1], names[0]]
+
+
+class _CopyingWorker(WorkerConnector):
+    """Loads: fills block ``i`` with ``i + 1``, fails slot 1. Saves: remembers the bytes it was asked to save."""
+
+    def __init__(self) -> None:
+        super().__init__(ConnectorContext("fake", KVConnectorRole.WORKER, load_settings(), SPEC))
+        self.caches: Mapping[str, torch.Tensor] = {}
+        self.saved: dict[bytes, torch.Tensor] = {}
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        assert all(t.is_contiguous() for t in kv_caches.values())
+        self.caches = kv_caches
+
+    def start_load_kv(self) -> None:
+        assert isinstance(self.metadata, BlockTransferMetadata)
+        for t in self.metadata.loads:
+            for slot in t.block_ids:
+                for cache in self.caches.values():
+                    cache[slot] = float(slot + 1)
+            self.report_load_error([t.block_ids[1]])
+
+    def wait_for_save(self) -> None:
+        assert isinstance(self.metadata, BlockTransferMetadata)
+        for t in self.metadata.saves:
+            for slot, key in zip(t.block_ids, t.block_keys, strict=True):
+                self.saved[key] = self.caches["layers.0"][slot].clone()
+
+
+def test_bridge_copies_non_contiguous_blocks_through_scratch() -> None:
+    vllm_cache = {f"layers.{i}": torch.zeros(2, 6, SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim) for i in range(2)}
+    views = {name: kvdi_layer_view(t, SPEC, num_blocks=6) for name, t in vllm_cache.items()}
+    worker = _CopyingWorker()
+    bridge = LayoutBridge(views, worker)
+    assert not bridge.direct
+    views["layers.0"][5] = 7.0
+    meta = BlockTransferMetadata(
+        loads=(BlockTransfer("r", (3, 4), (b"k3", b"k4")),), saves=(BlockTransfer("s", (5,), (b"k5",)),)
+    )
+
+    worker.bind_connector_metadata(bridge.bind(meta))
+    worker.start_load_kv()
+    bridge.after_load()
+    bridge.before_save()
+    worker.wait_for_save()
+
+    assert torch.all(views["layers.1"][3] == 1.0)  # slot 0 -> vLLM block 3
+    assert torch.all(views["layers.1"][4] == 0.0)  # slot 1 failed: not copied
+    assert bridge.take_errors() == {4} and bridge.take_errors() == set()
+    assert torch.all(worker.saved[b"k5"] == 7.0)
+
+
+def test_rank_slice_of_a_worker_follows_vllm_rank_and_the_scheduler_is_rank_zero() -> None:
+    config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2, rank=3))
+    assert rank_slice(config, worker=True) == RankSlice(tp_size=2, pp_size=2, tp_rank=1, pp_rank=1)
+    assert rank_slice(config, worker=False) == RankSlice(tp_size=2, pp_size=2)
+
+
+def test_layout_tag_names_the_parallel_shape_for_keys_and_the_rank_for_frames() -> None:
+    config = _vllm_config(tp=2)
+    shape = RankSlice(tp_size=2, tp_rank=1)
+    scheduler = kv_cache_spec(config, shape.layout_tag())
+    worker = kv_cache_spec(config, shape.layout_tag() + shape.rank_tag())
+    single = kv_cache_spec(_vllm_config())
+    assert scheduler.model_id == "tiny@tp2pp1" and worker.model_id == "tiny@tp2pp1.rank1-0"
+    assert len({scheduler.fingerprint, worker.fingerprint, single.fingerprint}) == 3
