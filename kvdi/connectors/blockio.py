@@ -20,6 +20,17 @@ if TYPE_CHECKING:
     import torch
 
     from kvdi.allocator import Staging
+    from kvdi.connectors.framing import Buffer
+
+
+def scatter(src: Buffer | np.ndarray, pieces: Sequence[Buffer]) -> None:
+    """Copy the contiguous bytes ``src`` into the writable ``pieces`` in order (``src`` holds at least their sum)."""
+    flat = np.frombuffer(src, dtype=np.uint8) if not isinstance(src, np.ndarray) else src.reshape(-1).view(np.uint8)
+    offset = 0
+    for piece in pieces:
+        dst = np.frombuffer(piece, dtype=np.uint8)
+        np.copyto(dst, flat[offset : offset + dst.size])
+        offset += dst.size
 
 
 class CacheIO:
@@ -82,12 +93,7 @@ class CacheIO:
     @staticmethod
     def copy_payload(payload: memoryview, pieces: Sequence[memoryview]) -> None:
         """Copy a verified contiguous payload into ``pieces`` in order."""
-        src = np.frombuffer(payload, dtype=np.uint8)
-        offset = 0
-        for piece in pieces:
-            dst = np.frombuffer(piece, dtype=np.uint8)
-            np.copyto(dst, src[offset : offset + dst.size])
-            offset += dst.size
+        scatter(payload, pieces)
 
     def commit_load(self, i: int, block_id: int) -> None:
         """Make a loaded block visible in the cache (device caches: start the host-to-device copy)."""

@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvdi.connectors.blockio import scatter
 from kvdi.connectors.framing import HEADER_SIZE, Buffer
 from kvdi.connectors.integrity import frame_key
+from kvdi.connectors.logging_once import log_once
 from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -47,7 +49,7 @@ class HostPoolStore:
         self._free: list[int] = []  # slots given back by discard
         self._unused = 0  # slots from here on were never used (no list of num_slots entries)
         self._lock = threading.Lock()
-        self._logged: set[type[BaseException]] = set()
+        self._logged: set[str] = set()
 
     def _slots(self) -> np.ndarray:
         if self._pool is None:
@@ -93,11 +95,7 @@ class HostPoolStore:
                     continue
                 slot, size = entry
                 if size == sum(p.nbytes for p in pieces):
-                    row, offset = pool[slot], 0
-                    for piece in pieces:
-                        dst = np.frombuffer(piece, dtype=np.uint8)
-                        np.copyto(dst, row[offset : offset + dst.size])
-                        offset += dst.size
+                    scatter(pool[slot], pieces)
                 out.append(size)  # at most one slot: an object never outgrows the frame it was stored as
             self._touch([k for k, _ in items])
             return out
@@ -114,9 +112,13 @@ class HostPoolStore:
                 try:
                     stored += self._put(key, pieces)
                 except _BACKEND_ERRORS as exc:
-                    if type(exc) not in self._logged:
-                        self._logged.add(type(exc))
-                        logger.warning("cpu_offload: storing an object failed: %r (logged once)", exc)
+                    log_once(
+                        logger,
+                        self._logged,
+                        type(exc).__name__,
+                        "cpu_offload: storing an object failed: %r (logged once)",
+                        exc,
+                    )
             self._touch([k for k, _ in items])
         return stored
 

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvdi.connectors.blockio import scatter
 from kvdi.connectors.framing import Buffer
 from kvdi.connectors.store import BlockStore, ReadIntoStore, prefers_async_load, written_count
 
@@ -102,10 +103,7 @@ class TieredStore:
                 continue
             src = memoryview(obj).cast("B")
             if src.nbytes == sum(p.nbytes for p in pieces):
-                offset = 0
-                for piece in pieces:
-                    piece[:] = src[offset : offset + piece.nbytes]
-                    offset += piece.nbytes
+                scatter(src, pieces)
             out.append(src.nbytes)
         return out
 
@@ -168,8 +166,10 @@ def open_store(
                 close = getattr(store, "close", None)
                 if callable(close):
                     close()
-                raise TypeError(f"tier {tier.name!r}: {tier.connector.spec.backend} returned "
-                                f"{type(store).__name__}, not a BlockStore")
+                raise TypeError(
+                    f"tier {tier.name!r}: {tier.connector.spec.backend} returned "
+                    f"{type(store).__name__}, not a BlockStore"
+                )
             stores.append((tier.name, store))
     except BaseException:
         for _name, opened in stores:

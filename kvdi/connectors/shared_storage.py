@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from kvdi.connectors.framing import HEADER_SIZE, Buffer
 from kvdi.connectors.integrity import frame_key
+from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.safe_dir import DIR_FLAGS, SafeDir
 from kvdi.errors import ConfigError
 
@@ -97,9 +98,7 @@ class FileBlockStore:
         return self.root / name[:2] / name
 
     def _log_once(self, what: str, message: str, *args: object) -> None:
-        if what not in self._logged:
-            self._logged.add(what)
-            logger.warning("shared_storage %s: " + message + " (logged once)", self.root, *args)
+        log_once(logger, self._logged, what, "shared_storage %s: " + message + " (logged once)", self.root, *args)
 
     # -- reads ---------------------------------------------------------------------------------
 

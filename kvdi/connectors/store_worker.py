@@ -32,6 +32,7 @@ from kvdi.connectors.base import (
 )
 from kvdi.connectors.framing import HEADER_SIZE, Buffer, frame_header
 from kvdi.connectors.integrity import frame_key
+from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.store_protocol import ReadIntoStore, require_store, written_count
 from kvdi.connectors.store_reads import ReadChunk, read_chunk, verify_chunk
 from kvdi.connectors.store_scheduler import StoreTransferMetadata
@@ -111,9 +112,9 @@ class StoreWorkerConnector(WorkerConnector):
         return self._executor
 
     def _log_once(self, reason: str, message: str, *args: object) -> None:
-        if reason not in self._logged:
-            self._logged.add(reason)
-            logger.warning("kv connector %r: " + message + " (logged once per reason)", self.name, *args)
+        log_once(
+            logger, self._logged, reason, "kv connector %r: " + message + " (logged once per reason)", self.name, *args
+        )
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         """Note the requests whose blocks the scheduler half holds for this half, by the rule it holds them by:

@@ -217,7 +217,7 @@ class P2pSettings(_Section):
     timeout_s: float = duration_field(30.0, most=3600)
     connect_timeout_s: float = duration_field(60.0, most=3600)
     hold_s: float = duration_field(60.0, most=3600)
-    max_held_bytes: int = Field(1 << 30, gt=0, le=1 << 40)
+    max_held_bytes: int = Field(1 << 30, gt=0)
     auth_token: SecretStr | None = None
     """Shared by both peers (16+ characters); proven with an HMAC challenge in the handshake."""
 

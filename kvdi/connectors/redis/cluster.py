@@ -34,6 +34,7 @@ from redis.exceptions import SlotNotCoveredError
 from redis.retry import Retry
 
 from kvdi.connectors.framing import Buffer
+from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.redis.breaker import BreakerOpenError, CircuitBreaker
 from kvdi.connectors.redis.server import (
     Exchange,
@@ -193,10 +194,10 @@ class RedisClusterBlockStore:
                 try:
                     self._cluster = self._connect()
                 except Exception as exc:
-                    if self._reach.record_failure() and "reach" not in self._logged:
-                        self._logged.add("reach")
-                        logger.warning("redis cluster at %s unreachable (%s); loads miss until it answers", self.url,
-                                       describe(exc))  # fmt: skip
+                    if self._reach.record_failure():
+                        log_once(logger, self._logged, "reach",
+                                 "redis cluster at %s unreachable (%s); loads miss until it answers", self.url,
+                                 describe(exc))  # fmt: skip
                     return None
                 if self._reach.record_success():
                     logger.info("redis cluster at %s answers again", self.url)

@@ -30,6 +30,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvdi.connectors.framing import Buffer
+from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.redis.breaker import BreakerOpenError, CircuitBreaker
 from kvdi.connectors.redis.wire import describe, object_or_none, pack_sets, present, send_gathered, written
 from kvdi.errors import ConfigError
@@ -198,9 +199,9 @@ def count_written(exchange: Exchange, logged: set[str]) -> int:
     for reply in exchange.result:
         if written(reply):
             count += 1
-        elif exchange.node.label not in logged:
-            logged.add(exchange.node.label)
-            logger.warning("redis at %s: a SET was not stored: %s", exchange.node.label, describe_reply(reply))
+        else:
+            log_once(logger, logged, exchange.node.label, "redis at %s: a SET was not stored: %s", exchange.node.label,
+                     describe_reply(reply))  # fmt: skip
     return count
 
 
