@@ -50,6 +50,7 @@ def p2p_settings(role: str, port: int, block_size: int = 4) -> Any:
         p2p={"kv_port": port, "kv_rank": 0 if role == "kv_producer" else 1, "timeout_s": TIMEOUT_S},
         model={"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "hidden_size": 32},
         allocator={"device": "cpu", "num_blocks": 16, "block_size": block_size},
+        transfer={"async_load": "off"},  # these tests drive one synchronous step by hand
     )
 
 

@@ -291,6 +291,7 @@ def p2p_settings(role: str, port: int, token: str | None) -> Any:
         p2p=p2p,
         model={"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "hidden_size": 32},
         allocator={"device": "cpu", "num_blocks": 16, "block_size": 4},
+        transfer={"async_load": "off"},  # one synchronous step driven by hand
     )
 
 
