@@ -216,9 +216,16 @@ def in_flight(container: Any, engine: Any, prompts: list[list[int]]) -> dict[str
     }
 
 
+def then_serve(container: Any, engine: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """Generate ``prompts[:1]`` (loaded), then ``prompts[1:]`` (not prefilled): does the engine keep serving?"""
+    first, rest = generate(container, engine, prompts[:1]), generate(container, engine, prompts[1:])
+    return {k: first[k] + rest[k] for k in first}
+
+
 SCENARIOS: dict[str, Callable[[Any, Any, list[list[int]]], dict[str, Any]]] = {
     "generate": generate,
     "in_flight": in_flight,
+    "then_serve": then_serve,
 }
 
 
@@ -316,6 +323,15 @@ def test_other_requests_run_while_a_fetch_is_in_flight() -> None:
     assert got["while_fetching"] == {"fetch_started": True, "status": "WAITING_FOR_REMOTE_KVS", "tokens": 0}
     assert got["errors"] == [None, None] and got["tokens"] == got["expected"]
     assert got["loaded"] == [32, 0] and got["received"] == 1
+
+
+def test_under_policy_fail_a_failed_async_load_fails_its_request_and_the_engine_keeps_serving() -> None:
+    fresh = [(13 * i + 1) % 1000 for i in range(21)]
+    consumer_env = {"KVDI_INTEGRITY_KEY": KEY, "KVDI_KV_LOAD_FAILURE_POLICY": "fail"}
+    got = decode([PROMPT, fresh], scenario="then_serve", prefill=[PROMPT], consumer_env=consumer_env)
+    assert got["errors"][0] is not None and "kv_load_failure_policy=fail" in got["errors"][0]
+    assert got["errors"][1] is None and got["tokens"][1] == got["expected"][1]
+    assert got["stats"]["corrupt_dropped"] == 2 and got["received"] == 1 and got["pool_whole"]
 
 
 # -- D: block reuse on both sides -----------------------------------------------------------------

@@ -358,3 +358,41 @@ def test_a_corrupted_byte_fails_only_its_block() -> None:
     verdicts = receive_locally(sent, receiver, [1, 2, 3]).verdicts(sent.headers)
     assert verdicts[0] is None and verdicts[2] is None
     assert isinstance(verdicts[1], CorruptObjectError) and verdicts[1].reason == "checksum"
+
+
+@pytest.mark.parametrize(
+    ("sender", "reader", "problem"),
+    [("k" * 32, "k" * 32, None), (None, "k" * 32, "mac"), ("o" * 32, "k" * 32, "mac"), (None, None, None)],
+    ids=["same-key", "unkeyed-sender", "other-key", "no-key"],
+)
+def test_a_keyed_reader_accepts_only_frames_maced_under_its_key(
+    sender: str | None, reader: str | None, problem: str | None
+) -> None:
+    from kvdi.connectors.framing import FrameKey
+
+    layout = small_layout()
+    source, dest = random_caches(layout, seed=1), random_caches(layout, seed=2)
+    names = list(layout.layer_names)
+    sent = gather_frames([source[n] for n in names], [5, 6], layout, FrameKey(sender.encode()) if sender else None)
+    key = FrameKey(reader.encode()) if reader else None
+    receiver = CacheReceiver([dest[n] for n in names], layout, torch.device("cpu"), key=key)
+    verdicts = receive_locally(sent, receiver, [1, 2]).verdicts(sent.headers)
+    assert [v.reason if v else None for v in verdicts] == [problem, problem]
+
+
+def test_the_receivers_staging_comes_from_the_allocator_one_buffer_per_layer() -> None:
+    from kvdi.allocator import StagingBuffers
+
+    layout = small_layout()
+    source, dest = random_caches(layout, seed=1), random_caches(layout, seed=2)
+    names = list(layout.layer_names)
+    staging = StagingBuffers(pin_memory=False)
+    receiver = CacheReceiver([dest[n] for n in names], layout, torch.device("cpu"), staging)
+    sent = gather_frames([source[n] for n in names], [5, 6, 7], layout)
+    assert receive_locally(sent, receiver, [1, 2, 3]).direct and staging.nbytes == {}  # straight into the cache
+    sink = receive_locally(sent, receiver, [3, 1, 2])
+    assert not sink.direct and sink.verdicts(sent.headers) == [None, None, None]
+    assert staging.nbytes == {"cpu": 2 * 3 * layout.layer_block_bytes}  # two layers, three blocks each
+    assert all(b.data_ptr() == s.data_ptr() for b, s in zip(staging.buffers, sink.buffers, strict=True))
+    for n in names:
+        assert torch.equal(dest[n][[3, 1, 2]], source[n][[5, 6, 7]])

@@ -120,9 +120,7 @@ class P2pWorkerConnector(WorkerConnector):
         received, self._received = self._received, set()
         return sending or None, received or None
 
-    def _load(
-        self, receiver: CacheReceiver, transfers: Sequence[BlockTransfer], stats: ConnectorStats
-    ) -> list[int]:
+    def _load(self, receiver: CacheReceiver, transfers: Sequence[BlockTransfer], stats: ConnectorStats) -> list[int]:
         """Fetch ``transfers`` in one batch; the block ids not loaded (each transfer from its first bad block)."""
         keys = [k for t in transfers for k in t.block_keys]
         ids = [b for t in transfers for b in t.block_ids]
