@@ -216,6 +216,41 @@ def in_flight(container: Any, engine: Any, prompts: list[list[int]]) -> dict[str
     }
 
 
+def abort_in_flight(container: Any, engine: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """Fail the request of prompts[0] while its fetch is held back: its blocks must stay taken until the fetch ended."""
+    channel = container.kv.backend()
+    gate, entered = threading.Event(), threading.Event()
+    inner = channel.request
+
+    def gated(keys: Sequence[bytes]) -> Any:
+        entered.set()
+        gate.wait(WAIT_S)
+        return inner(keys)
+
+    channel.request = gated
+    from kvdi.engine.scheduler import Request
+
+    loading = engine.scheduler.add_request(Request("loading", tuple(prompts[0]), NEW_TOKENS))
+    engine.step()
+    poll_until(entered.is_set, WAIT_S)
+    engine.scheduler.fail_requests(["loading"], "aborted by the test")
+    for _ in range(5):  # the fetch is still held back: the blocks must not come back
+        engine.step()
+    held = {"pending_frees": engine.scheduler.has_pending_frees(), "pool_whole": engine.block_pool.whole}
+    gate.set()
+    deadline = time.monotonic() + WAIT_S
+    while engine.scheduler.has_pending_frees() and time.monotonic() < deadline:
+        engine.step()
+        time.sleep(0.01)
+    after = generate(container, engine, prompts[1:])
+    return {
+        "while_fetching": held,
+        "tokens": [list(loading.output_token_ids), *after["tokens"]],
+        "loaded": [loading.num_loaded_tokens, *after["loaded"]],
+        "errors": [loading.error, *after["errors"]],
+    }
+
+
 def then_serve(container: Any, engine: Any, prompts: list[list[int]]) -> dict[str, Any]:
     """Generate ``prompts[:1]`` (loaded), then ``prompts[1:]`` (not prefilled): does the engine keep serving?"""
     first, rest = generate(container, engine, prompts[:1]), generate(container, engine, prompts[1:])
@@ -226,6 +261,7 @@ SCENARIOS: dict[str, Callable[[Any, Any, list[list[int]]], dict[str, Any]]] = {
     "generate": generate,
     "in_flight": in_flight,
     "then_serve": then_serve,
+    "abort_in_flight": abort_in_flight,
 }
 
 
@@ -332,6 +368,14 @@ def test_under_policy_fail_a_failed_async_load_fails_its_request_and_the_engine_
     assert got["errors"][0] is not None and "kv_load_failure_policy=fail" in got["errors"][0]
     assert got["errors"][1] is None and got["tokens"][1] == got["expected"][1]
     assert got["stats"]["corrupt_dropped"] == 2 and got["received"] == 1 and got["pool_whole"]
+
+
+def test_a_request_finished_while_its_fetch_runs_keeps_its_blocks_until_the_fetch_ended() -> None:
+    fresh = [(13 * i + 1) % 1000 for i in range(21)]
+    got = decode([PROMPT, fresh], scenario="abort_in_flight", prefill=[PROMPT])
+    assert got["while_fetching"] == {"pending_frees": True, "pool_whole": False}  # delay_free held them
+    assert got["errors"] == ["aborted by the test", None] and got["tokens"][1] == got["expected"][1]
+    assert got["pool_whole"]  # given back once the worker half reported the fetch over
 
 
 # -- D: block reuse on both sides -----------------------------------------------------------------
