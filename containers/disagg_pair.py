@@ -7,7 +7,8 @@ Run it: ``python containers/disagg_pair.py [--port N] [--prompts 2] [--prompt-le
 and ``settings/disagg-consumer.toml`` (``kv_role=kv_consumer``, rank 1). A :class:`Router`
 sends each batch to the prefill engine (one token, which computes the prompt and leaves its
 KV held for the consumer), then to the decode engine, which loads that KV over
-torch.distributed and computes only the tokens after it. The script also runs the prompts
+torch.distributed (asynchronously by default: a request waits for its KV while others run)
+and computes only the tokens after it. The script also runs the prompts
 on one plain engine (``kv_connector=null``) and prints whether the tokens match; it exits 0
 when they match and the decode engine really loaded tokens.
 

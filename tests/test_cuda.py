@@ -142,6 +142,7 @@ def _p2p_container(role: str, port: int) -> Any:
         p2p={"kv_port": port, "kv_rank": gpu, "backend": "nccl", "timeout_s": 30.0},
         model={"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "hidden_size": 32},
         allocator={"device": f"cuda:{gpu}", "num_blocks": 16, "block_size": 4},
+        transfer={"async_load": "off"},  # one synchronous step driven by hand
     )
 
 

@@ -100,6 +100,15 @@ def consumer(port: int, out: Any, go: Any) -> None:
         engine_env(CONSUMER_FILE, port)
         container = build_engine_container()
         engine = container.engine()
+        received: set[str] = set()  # requests the worker half reported finished receiving: the async path
+        inner = engine.worker.connector.get_finished
+
+        def spy(finished: set[str]) -> tuple[set[str] | None, set[str] | None]:
+            sending, recving = inner(finished)
+            received.update(recving or ())
+            return sending, recving
+
+        engine.worker.connector.get_finished = spy  # type: ignore[method-assign]
         go.wait(WAIT_S)
         start = time.monotonic()
         (got,) = engine.generate([PROMPT], NEW_TOKENS)
@@ -120,6 +129,7 @@ def consumer(port: int, out: Any, go: Any) -> None:
                     "error": got.error,
                     "load_failures": stats.load_failures,
                     "elapsed": elapsed,
+                    "received": len(received),
                 },
             )
         )
@@ -159,5 +169,6 @@ def test_producer_killed_mid_transfer_the_consumer_recomputes_within_the_timeout
     assert prod.exitcode == -signal.SIGKILL and cons.exitcode == 0
     assert decoded["error"] is None and decoded["tokens"] == decoded["expected"]
     assert decoded["load_failures"] == 1
+    assert decoded["received"] == 1  # the load ran asynchronously (transfer.async_load=auto) and ended failed
     assert (decoded["loaded"], decoded["computed"]) == (0, len(PROMPT))  # the transferred prefix was recomputed
     assert decoded["elapsed"] < TIMEOUT_S + 5.0  # bounded by KVDI_P2P__TIMEOUT_S, never a hang

@@ -9,7 +9,9 @@ Two results, each measured in one run:
   the same kind (a one-byte request, then the payload). GB/s of payload; target 0.8x.
 - ``ttft``: time to first token on the consumer engine of a prompt whose KV the producer
   prefilled (loaded) next to the same prompt recomputed by a plain engine; ratio is
-  recompute / loaded (higher is better).
+  recompute / loaded (higher is better). Measured with synchronous loads
+  (``transfer.async_load=off``) and, as ``ttft-async``, with the default asynchronous loads
+  (the request waits in WAITING_FOR_REMOTE_KVS while a background thread fetches).
 
 Both sides run on the CPU (two processes on one GPU cannot form an NCCL pair); best of
 several runs per side, since other processes on a shared machine only ever add time.
@@ -36,10 +38,14 @@ WAIT_S = 300.0
 
 
 def run(quick: bool) -> list[BenchResult]:
-    """Transfer GB/s vs raw send/recv, then consumer TTFT loaded vs recomputed."""
+    """Transfer GB/s vs raw send/recv, then consumer TTFT loaded (sync, async) vs recomputed."""
     blocks, reps = (32, 8) if quick else (128, 12)
     prompt_len, prompts = (1024, 2) if quick else (2048, 3)
-    return [measure_transfer(blocks, reps), measure_ttft(prompt_len, prompts)]
+    return [
+        measure_transfer(blocks, reps),
+        measure_ttft(prompt_len, prompts, "off"),
+        measure_ttft(prompt_len, prompts, "on"),
+    ]
 
 
 def _free_port() -> int:
@@ -48,7 +54,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _settings(role: str, port: int, num_blocks: int, model: dict[str, Any], block_size: int) -> Any:
+def _settings(
+    role: str, port: int, num_blocks: int, model: dict[str, Any], block_size: int, async_load: str = "off"
+) -> Any:
     from kvdi.settings import load_settings
 
     return load_settings(
@@ -57,6 +65,7 @@ def _settings(role: str, port: int, num_blocks: int, model: dict[str, Any], bloc
         p2p={"kv_port": port, "kv_rank": 0 if role == "kv_producer" else 1, "timeout_s": TIMEOUT_S, "hold_s": WAIT_S},
         model=model,
         allocator={"device": "cpu", "num_blocks": num_blocks, "block_size": block_size},
+        transfer={"async_load": async_load},
     )
 
 
@@ -214,7 +223,7 @@ def _prompts(prompt_len: int, count: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(count + 1)]
 
 
-def ttft_producer(port: int, prompt_len: int, count: int, out: Any) -> None:
+def ttft_producer(port: int, prompt_len: int, count: int, async_load: str, out: Any) -> None:
     """Prefill every prompt (one token each) so its KV is held for the consumer."""
     try:
         from kvdi.bench.ttft import BENCH_MODEL
@@ -235,14 +244,16 @@ def ttft_producer(port: int, prompt_len: int, count: int, out: Any) -> None:
         out.put(("error", f"producer: {type(exc).__name__}: {exc}"))
 
 
-def ttft_consumer(port: int, prompt_len: int, count: int, out: Any) -> None:
+def ttft_consumer(port: int, prompt_len: int, count: int, async_load: str, out: Any) -> None:
     """TTFT of each prompt loaded from the producer, then recomputed by a plain engine (first is warm-up)."""
     try:
         from kvdi.bench.ttft import BENCH_MODEL
         from kvdi.containers import build_engine_container
 
         blocks = 2 * -(-(prompt_len + 1) // BLOCK_SIZE) + 2
-        container = build_engine_container(_settings("kv_consumer", port, blocks, BENCH_MODEL, BLOCK_SIZE))
+        container = build_engine_container(
+            _settings("kv_consumer", port, blocks, BENCH_MODEL, BLOCK_SIZE, async_load)
+        )
         prompts = _prompts(prompt_len, count, BENCH_MODEL["vocab_size"])
         engine = container.engine()
         loaded: list[float] = []
@@ -270,12 +281,15 @@ def ttft_consumer(port: int, prompt_len: int, count: int, out: Any) -> None:
         out.put(("error", f"consumer: {type(exc).__name__}: {exc}"))
 
 
-def measure_ttft(prompt_len: int, count: int) -> BenchResult:
-    """Consumer TTFT with the prefix loaded from the producer vs recomputed, ``prompt_len`` tokens."""
-    r = _run_pair(ttft_producer, ttft_consumer, (_free_port(), prompt_len, count))["result"]
+def measure_ttft(prompt_len: int, count: int, async_load: str = "off") -> BenchResult:
+    """Consumer TTFT with the prefix loaded from the producer vs recomputed, ``prompt_len`` tokens;
+    ``async_load`` is the consumer's ``transfer.async_load`` (``on``: result ``ttft-async``)."""
+    r = _run_pair(ttft_producer, ttft_consumer, (_free_port(), prompt_len, count, async_load))["result"]
+    name, how = ("ttft-async", "asynchronous load") if async_load == "on" else ("ttft", "synchronous load")
     return BenchResult(
-        "p2p", "ttft", "s", r["loaded"], r["recomputed"], "recompute (null connector)", r["recomputed"] / r["loaded"],
-        None, f"{prompt_len}-token prompt, KV prefilled by the producer process; best of {count}; ratio = speedup",
+        "p2p", name, "s", r["loaded"], r["recomputed"], "recompute (null connector)", r["recomputed"] / r["loaded"],
+        None, f"{prompt_len}-token prompt, KV prefilled by the producer process, {how}; best of {count}; "
+        "ratio = speedup",
     )  # fmt: skip
 
 

@@ -32,6 +32,7 @@ PROMPT = KVRequest("req-1", tuple(range(13)))  # block size 4: 3 loadable blocks
 PRODUCER_BLOCKS = (5, 6, 7, 8)
 CONSUMER_BLOCKS = (1, 2, 3, 4)
 LOADED = 3
+FOREIGN_CONNECT_S = 15.0
 
 
 # -- processes ---------------------------------------------------------------------------
@@ -41,15 +42,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def p2p_settings(role: str, port: int, block_size: int = 4) -> Any:
+def p2p_settings(role: str, port: int, block_size: int = 4, connect_timeout_s: float = 60.0) -> Any:
     from kvdi.settings import load_settings
 
+    p2p = {"kv_port": port, "kv_rank": 0 if role == "kv_producer" else 1, "timeout_s": TIMEOUT_S}
     return load_settings(
         kv_connector="p2p",
         kv_role=role,
-        p2p={"kv_port": port, "kv_rank": 0 if role == "kv_producer" else 1, "timeout_s": TIMEOUT_S},
+        p2p=p2p | {"connect_timeout_s": connect_timeout_s},
         model={"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "hidden_size": 32},
         allocator={"device": "cpu", "num_blocks": 16, "block_size": block_size},
+        transfer={"async_load": "off"},  # these tests drive one synchronous step by hand
     )
 
 
@@ -76,12 +79,12 @@ def poll_until(ready: Callable[[], bool], timeout_s: float) -> None:
         time.sleep(0.02)
 
 
-def producer(port: int, out: Any, events: dict[str, Any], block_size: int) -> None:
+def producer(port: int, out: Any, events: dict[str, Any], block_size: int, connect_timeout_s: float) -> None:
     """Hold PROMPT's blocks, say so, then report the held count once the consumer is done."""
     from kvdi.containers import build_kv_container
 
     try:
-        container = build_kv_container(p2p_settings("kv_producer", port, block_size))
+        container = build_kv_container(p2p_settings("kv_producer", port, block_size, connect_timeout_s))
         sched, worker = halves(container)
         worker.register_kv_caches(random_caches(container.layout(), seed=1))
         sched.update_state_after_alloc(PROMPT, PRODUCER_BLOCKS, sched.get_num_new_matched_tokens(PROMPT, 0)[0])
@@ -143,7 +146,9 @@ class Pair:
         port = free_port()
         self.out: Any = ctx.Queue()
         self.events = {k: ctx.Event() for k in ("published", "looked_up", "go", "consumer_done")}
-        self.producer = ctx.Process(target=producer, args=(port, self.out, self.events, 4), daemon=True)
+        # a foreign consumer is refused and the producer waits for a valid one until its connect timeout
+        connect_s = 60.0 if consumer_block_size == 4 else FOREIGN_CONNECT_S
+        self.producer = ctx.Process(target=producer, args=(port, self.out, self.events, 4, connect_s), daemon=True)
         self.consumer = ctx.Process(
             target=consumer, args=(port, self.out, self.events, consumer_block_size), daemon=True
         )
@@ -205,6 +210,7 @@ def test_foreign_layout_is_refused_at_the_handshake_naming_both_layouts() -> Non
     for kind, message in errors.values():
         assert kind == "P2pHandshakeError"
         assert "foreign KV layout" in message and "block_size=4" in message and "block_size=8" in message
+    assert "found no valid consumer" in errors["producer_error"][1]  # it waited for another one first
 
 
 def test_frozen_producer_fails_the_load_within_the_timeout_and_the_blocks_are_reported() -> None:
@@ -357,3 +363,41 @@ def test_a_corrupted_byte_fails_only_its_block() -> None:
     verdicts = receive_locally(sent, receiver, [1, 2, 3]).verdicts(sent.headers)
     assert verdicts[0] is None and verdicts[2] is None
     assert isinstance(verdicts[1], CorruptObjectError) and verdicts[1].reason == "checksum"
+
+
+@pytest.mark.parametrize(
+    ("sender", "reader", "problem"),
+    [("k" * 32, "k" * 32, None), (None, "k" * 32, "mac"), ("o" * 32, "k" * 32, "mac"), (None, None, None)],
+    ids=["same-key", "unkeyed-sender", "other-key", "no-key"],
+)
+def test_a_keyed_reader_accepts_only_frames_maced_under_its_key(
+    sender: str | None, reader: str | None, problem: str | None
+) -> None:
+    from kvdi.connectors.framing import FrameKey
+
+    layout = small_layout()
+    source, dest = random_caches(layout, seed=1), random_caches(layout, seed=2)
+    names = list(layout.layer_names)
+    sent = gather_frames([source[n] for n in names], [5, 6], layout, FrameKey(sender.encode()) if sender else None)
+    key = FrameKey(reader.encode()) if reader else None
+    receiver = CacheReceiver([dest[n] for n in names], layout, torch.device("cpu"), key=key)
+    verdicts = receive_locally(sent, receiver, [1, 2]).verdicts(sent.headers)
+    assert [v.reason if v else None for v in verdicts] == [problem, problem]
+
+
+def test_the_receivers_staging_comes_from_the_allocator_one_buffer_per_layer() -> None:
+    from kvdi.allocator import StagingBuffers
+
+    layout = small_layout()
+    source, dest = random_caches(layout, seed=1), random_caches(layout, seed=2)
+    names = list(layout.layer_names)
+    staging = StagingBuffers(pin_memory=False)
+    receiver = CacheReceiver([dest[n] for n in names], layout, torch.device("cpu"), staging)
+    sent = gather_frames([source[n] for n in names], [5, 6, 7], layout)
+    assert receive_locally(sent, receiver, [1, 2, 3]).direct and staging.nbytes == {}  # straight into the cache
+    sink = receive_locally(sent, receiver, [3, 1, 2])
+    assert not sink.direct and sink.verdicts(sent.headers) == [None, None, None]
+    assert staging.nbytes == {"cpu": 2 * 3 * layout.layer_block_bytes}  # two layers, three blocks each
+    assert all(b.data_ptr() == s.data_ptr() for b, s in zip(staging.buffers, sink.buffers, strict=True))
+    for n in names:
+        assert torch.equal(dest[n][[3, 1, 2]], source[n][[5, 6, 7]])

@@ -280,17 +280,18 @@ def test_the_producer_store_listens_on_loopback_only_when_kv_ip_is_loopback() ->
 
 
 # -- processes -----------------------------------------------------------------------------
-def p2p_settings(role: str, port: int, token: str | None) -> Any:
+def p2p_settings(role: str, port: int, token: str | None, connect_timeout_s: float = 10.0) -> Any:
     from kvdi.settings import load_settings
 
     p2p: dict[str, Any] = {"kv_port": port, "kv_rank": 0 if role == "kv_producer" else 1, "timeout_s": TIMEOUT_S}
-    p2p |= {"connect_timeout_s": 10.0} | ({"auth_token": token} if token is not None else {})
+    p2p |= {"connect_timeout_s": connect_timeout_s} | ({"auth_token": token} if token is not None else {})
     return load_settings(
         kv_connector="p2p",
         kv_role=role,
         p2p=p2p,
         model={"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "hidden_size": 32},
         allocator={"device": "cpu", "num_blocks": 16, "block_size": 4},
+        transfer={"async_load": "off"},  # one synchronous step driven by hand
     )
 
 
@@ -309,12 +310,12 @@ def poll_until(ready: Any, timeout_s: float) -> None:
         time.sleep(0.02)
 
 
-def producer(port: int, out: Any, events: dict[str, Any]) -> None:
-    """Hold PROMPT's blocks; once the consumer is done, report how many bad messages were dropped."""
+def producer(port: int, out: Any, events: dict[str, Any], connect_timeout_s: float = 10.0) -> None:
+    """Hold PROMPT's blocks; once the consumer is done, report how many bad messages and peers were refused."""
     from kvdi.containers import build_kv_container
 
     try:
-        container = build_kv_container(p2p_settings("kv_producer", port, TOKEN))
+        container = build_kv_container(p2p_settings("kv_producer", port, TOKEN, connect_timeout_s))
         sched, worker = container.scheduler_connector(), container.worker_connector()
         worker.register_kv_caches(random_caches(container.layout(), seed=1))
         worker.bind_connector_metadata(sched.build_connector_meta(step(PRODUCER_BLOCKS, 0)))
@@ -324,7 +325,8 @@ def producer(port: int, out: Any, events: dict[str, Any]) -> None:
         out.put(("held", len(channel.held)))
         events["published"].set()
         poll_until(events["consumer_done"].is_set, WAIT_S)
-        out.put(("producer_report", {"rejected": channel.rejected_messages, "broken": channel.broken}))
+        report = {"rejected": channel.rejected_messages, "refused": channel.refused_peers, "broken": channel.broken}
+        out.put(("producer_report", report))
         container.shutdown_resources()
     except Exception as exc:
         out.put(("producer_error", (type(exc).__name__, str(exc))))
@@ -440,8 +442,52 @@ def test_intruders_and_garbage_are_refused_and_the_producer_keeps_serving() -> N
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
-    assert refusals["wrong"][0] == "P2pHandshakeError" and "KVDI_P2P__AUTH_TOKEN differs" in refusals["wrong"][1]
+    assert refusals["wrong"][0] == "P2pHandshakeError" and "already paired" in refusals["wrong"][1]
     assert refusals["missing"][0] == "P2pHandshakeError" and "requires authentication" in refusals["missing"][1]
     assert TOKEN not in refusals["wrong"][1] + refusals["missing"][1]
     assert loaded == {"matched": LOADED * 4, "errors": [], "same": True}
-    assert producer_report == {"rejected": sent, "broken": None}
+    assert producer_report == {"rejected": sent, "refused": 0, "broken": None}
+
+
+def push_bad_hellos(port: int) -> int:
+    """Hellos the producer must refuse without ending its wait: garbage, and a producer's hello."""
+    import torch.distributed as dist
+
+    from kvdi.connectors.p2p.pairing import HELLO_QUEUE
+
+    client = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))  # type: ignore[attr-defined]
+    bad = [b"not json", json.dumps({"role": "kv_producer", "rank": 0}).encode()]
+    for raw in bad:
+        client.queue_push(HELLO_QUEUE, raw)
+    return len(bad)
+
+
+def test_the_producer_refuses_bad_peers_arriving_first_and_pairs_with_the_valid_consumer() -> None:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    out: Any = ctx.Queue()
+    events = {k: ctx.Event() for k in ("published", "go", "consumer_done")}
+    procs = [ctx.Process(target=producer, args=(port, out, events, 60.0), daemon=True)]
+    procs[0].start()
+    reports = Reports(out)
+    try:
+        procs.append(ctx.Process(target=intruder, args=(port, "not the right token at all", out), daemon=True))
+        procs[-1].start()
+        wrong = reports.get("intruder")  # the producer answered it and refused it
+        garbage = push_bad_hellos(port)
+        procs.append(ctx.Process(target=consumer, args=(port, out, events), daemon=True))
+        procs[-1].start()
+        assert reports.get("held") == LOADED
+        reports.get("paired")
+        events["go"].set()
+        loaded = reports.get("loaded")
+        producer_report = reports.get("producer_report")
+    finally:
+        for proc in procs:
+            proc.join(WAIT_S if proc.is_alive() else 0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    assert wrong[0] == "P2pHandshakeError" and "KVDI_P2P__AUTH_TOKEN differs" in wrong[1] and TOKEN not in wrong[1]
+    assert loaded == {"matched": LOADED * 4, "errors": [], "same": True}
+    assert producer_report == {"rejected": 0, "refused": 1 + garbage, "broken": None}

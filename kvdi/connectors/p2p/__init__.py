@@ -8,7 +8,9 @@ Modules, one concept each:
 - :mod:`~kvdi.connectors.p2p.channel`: rendezvous, handshake, process group, the consumer's fetches.
 - :mod:`~kvdi.connectors.p2p.serving`: the producer's serving loop.
 - :mod:`~kvdi.connectors.p2p.protocol`: store keys and queue messages, checked strictly.
-- :mod:`~kvdi.connectors.p2p.handshake`: hellos, HMAC proofs of the auth token, layout checks.
+- :mod:`~kvdi.connectors.p2p.pairing`: the handshake through the store (the producer refuses bad
+  peers and waits for a valid consumer); :mod:`~kvdi.connectors.p2p.handshake`: hellos, HMAC
+  proofs of the auth token, layout checks.
 - :mod:`~kvdi.connectors.p2p.rendezvous`: the producer's store, bound to ``kv_ip`` only.
 - :mod:`~kvdi.connectors.p2p.held`: blocks the producer holds; :mod:`~kvdi.connectors.p2p.frames`:
   cache <-> wire layout; :mod:`~kvdi.connectors.p2p.watchdog`: bounded waits on store calls.

@@ -5,9 +5,10 @@ The producer (rank 0) hosts a ``TCPStore`` on ``kv_ip:kv_port`` (bound there onl
 consumer (rank 1) connects to it. Protocol (store keys under ``kvdi/p2p/``, messages in
 :mod:`kvdi.connectors.p2p.protocol`):
 
-- handshake (:mod:`kvdi.connectors.p2p.handshake`): hellos, optional HMAC proofs of the auth
-  token, layout and backend checks; a mismatch raises :class:`P2pHandshakeError` on both sides
-  before any process group exists.
+- handshake (:mod:`kvdi.connectors.p2p.pairing`, checks in :mod:`kvdi.connectors.p2p.handshake`):
+  hellos, optional HMAC proofs of the auth token, layout and backend checks; a mismatch raises
+  :class:`P2pHandshakeError` on the consumer before any process group exists, while the
+  producer refuses that peer and waits for a valid one up to ``connect_timeout_s``.
 - publish: the producer sets ``has/<name>`` for every block it holds and deletes it when the
   block is freed; the consumer counts a prompt's published prefix with ``check`` (a binary
   search, so a few round trips per prompt).
@@ -43,6 +44,7 @@ from kvdi.connectors.framing import HEADER_SIZE
 from kvdi.connectors.p2p import handshake as hs
 from kvdi.connectors.p2p.errors import P2pHandshakeError, P2pTransferError
 from kvdi.connectors.p2p.held import Frames, HeldBlocks
+from kvdi.connectors.p2p.pairing import ProducerPairing, consumer_pair
 from kvdi.connectors.p2p.protocol import (
     CONSUMER_RANK,
     PART_BYTES,
@@ -119,6 +121,7 @@ class P2pChannel:
         self._broken: str | None = None
         self._seq = 0
         self._watchdog = Watchdog()
+        self._pairing: ProducerPairing | None = None
         self._store = self._setup("connecting to the rendezvous store", self._connect)
         self._peer, self.session = self._handshake(engine_id)
         self._pg = self._setup("creating the process group", self._make_group)
@@ -135,6 +138,11 @@ class P2pChannel:
     @property
     def where(self) -> str:
         return f"{self.options.kv_ip}:{self.options.kv_port}"
+
+    @property
+    def refused_peers(self) -> int:
+        """Producer: would-be consumers its handshake refused before pairing (0 on a consumer)."""
+        return self._pairing.refused if self._pairing is not None else 0
 
     @property
     def rejected_messages(self) -> int:
@@ -160,40 +168,26 @@ class P2pChannel:
         return join_store(o.kv_ip, o.kv_port, self._connect_timeout)
 
     def _handshake(self, engine_id: str) -> tuple[dict[str, Any], Session]:
+        """Pair (see :mod:`kvdi.connectors.p2p.pairing`): the producer waits for a valid consumer."""
         auth = self._token is not None
         mine = hs.make_hello(rank=self.rank, backend=self.backend, layout=self.layout, engine_id=engine_id, auth=auth)
-        peer_rank = 1 - self.rank
-        store = self._store
-
-        def read(name: str) -> bytes:
-            key = f"{PREFIX}{name}/{peer_rank}"
-            store.wait([key], self._connect_timeout)
-            return bytes(store.get(key))
-
-        self._setup("announcing itself", lambda: store.set(f"{PREFIX}hello/{self.rank}", hs.json_text(mine)))
-        raw = self._setup("waiting for its peer", lambda: read("hello"))
+        o = self.options
+        if not self.producer:
+            return consumer_pair(
+                self._store, self.where, mine, self.layout, self.backend, self._token,
+                connect_timeout_s=o.connect_timeout_s, call=self._setup,
+            )  # fmt: skip
+        self._pairing = ProducerPairing(
+            self._store, self.where, self.layout, self.backend, self._token,
+            connect_timeout_s=o.connect_timeout_s, timeout_s=o.timeout_s, call=self._watchdog.call,
+        )  # fmt: skip
         try:
-            peer = hs.parse_hello(raw, peer_rank)
-        except ValueError as exc:
-            raise hs.refuse(self.where, [f"the peer's hello is malformed: {exc}"]) from None
-        proof: bytes | None = None
-        if self._token is not None and peer["auth"]:
-            mine_proofs = hs.proofs(self._token, mine, peer, self.layout.fingerprint())
-            self._setup("proving the token", lambda: store.set(f"{PREFIX}proof/{self.rank}", hs.json_text(mine_proofs)))
-            proof = self._setup("waiting for its peer's proof", lambda: read("proof"))
-        self._setup("confirming the handshake", lambda: store.set(f"{PREFIX}seen/{self.rank}", "1"))
-        if self.producer:  # the store dies with us: let the consumer read our hello before we may raise
-            with contextlib.suppress(RuntimeError, TimeoutError):
-                self._watchdog.call(
-                    lambda: store.wait([f"{PREFIX}seen/{peer_rank}"], self._timeout), self.options.timeout_s
-                )
-        problems = hs.auth_problems(mine, peer, proof, self._token, self.layout)
-        if not problems:
-            problems = hs.handshake_problems(mine, peer, self.backend)
-        if problems:
-            raise hs.refuse(self.where, problems)
-        key = hs.session_key(self._token, mine, peer) if self._token is not None else None
-        return peer, Session(key)
+            return self._pairing.pair(mine)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            raise P2pHandshakeError(
+                f"p2p producer (rank {self.rank}) failed waiting for a consumer on {self.where}: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from None
 
     def _make_group(self) -> Any:
         store = dist.PrefixStore(PREFIX + "pg", self._store)  # type: ignore[attr-defined]

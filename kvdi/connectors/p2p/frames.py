@@ -4,9 +4,10 @@ A layer's cache is ``[num_blocks, 2, block_size, kv_heads, head_dim]``, so one b
 layer is contiguous. The wire layout (:class:`~kvdi.connectors.p2p.held.Frames`) sends
 layer ``l`` of all blocks of a fetch as one message: when the consumer's target blocks are
 consecutive, that message lands straight in ``cache_l[first:first + count]`` (no copy);
-otherwise in a reusable staging buffer, then one ``index_copy_`` per layer. Each block is
-checked against its frame header (layout fingerprint, length, xxh3 of all its layers),
-hashed layer by layer as the layers arrive.
+otherwise in a reusable staging buffer taken from the engine's allocator (``context.staging``),
+then one ``index_copy_`` per layer. Each block is checked against its frame header (layout
+fingerprint, length, xxh3 of all its layers; with ``KVDI_INTEGRITY_KEY`` the frame's keyed MAC
+instead), hashed layer by layer as the layers arrive.
 """
 
 from __future__ import annotations
@@ -15,19 +16,22 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-import xxhash
 
-from kvdi.connectors.framing import HEADER_SIZE, CorruptObjectError, check_header, frame_header
+from kvdi.connectors.framing import HEADER_SIZE, CorruptObjectError, FrameKey, PayloadHasher, frame_header
 from kvdi.connectors.p2p.held import Frames
 
 if TYPE_CHECKING:
     import torch
 
+    from kvdi.allocator import Staging
     from kvdi.layout import KVCacheSpec
 
 
-def gather_frames(caches: Sequence[torch.Tensor], block_ids: Sequence[int], layout: KVCacheSpec) -> Frames:
-    """Copy blocks out of the paged caches into host frames (one copy per layer, then the headers)."""
+def gather_frames(
+    caches: Sequence[torch.Tensor], block_ids: Sequence[int], layout: KVCacheSpec, key: FrameKey | None = None
+) -> Frames:
+    """Copy blocks out of the paged caches into host frames (one copy per layer, then the headers, MACed
+    with ``key``). The frames own their bytes: the cache blocks may be reused as soon as this returns."""
     import torch
 
     n, lb = len(block_ids), layout.layer_block_bytes
@@ -43,17 +47,37 @@ def gather_frames(caches: Sequence[torch.Tensor], block_ids: Sequence[int], layo
     raw = layers.numpy()
     fingerprint = layout.fingerprint()
     for i in range(n):
-        header = frame_header(fingerprint, [raw[layer, i * lb : (i + 1) * lb].data for layer in range(len(caches))])
+        pieces = [raw[layer, i * lb : (i + 1) * lb].data for layer in range(len(caches))]
+        header = frame_header(fingerprint, pieces, key)
         headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] = np.frombuffer(header, dtype=np.uint8)
     return Frames(layers, torch.from_numpy(headers))
 
 
 class CacheReceiver:
-    """The consumer's side: receive buffers over the paged cache, scatter and verification."""
+    """The consumer's side: receive buffers over the paged cache, scatter and verification.
 
-    def __init__(self, caches: Sequence[torch.Tensor], layout: KVCacheSpec, wire_device: torch.device) -> None:
+    ``staging`` is where staging buffers come from (the worker half's ``context.staging``, one
+    buffer per layer, owned ``p2p-receiver/<layer>``); None: a private
+    :class:`~kvdi.allocator.StagingBuffers` (a standalone channel with no allocator).
+    ``key``: the integrity key every received frame must be MACed with (None: xxh3 checksums).
+    """
+
+    def __init__(
+        self,
+        caches: Sequence[torch.Tensor],
+        layout: KVCacheSpec,
+        wire_device: torch.device,
+        staging: Staging | None = None,
+        key: FrameKey | None = None,
+    ) -> None:
         import torch
 
+        if staging is None:
+            from kvdi.allocator import StagingBuffers
+
+            staging = StagingBuffers(pin_memory=False)
+        self.staging = staging
+        self.key = key
         self.layout = layout
         self.caches = list(caches)
         self.layer_bytes = layout.layer_block_bytes
@@ -67,15 +91,15 @@ class CacheReceiver:
 
     def buffers(self, targets: Sequence[int]) -> tuple[list[torch.Tensor], bool]:
         """Where each layer's message for blocks ``targets`` is received, and whether that is the cache itself."""
-        import torch
-
         k = len(targets)
         first = targets[0]
         if self.direct_ok and list(targets) == list(range(first, first + k)):
             return [u8[first : first + k].view(-1) for u8 in self._u8], True
         need = k * self.layer_bytes
         if not self._staging or self._staging[0].numel() < need:
-            self._staging = [torch.empty(need, dtype=torch.uint8, device=self.wire_device) for _ in self.caches]
+            self._staging = [
+                self.staging(need, device=self.wire_device, owner=f"p2p-receiver/{i}") for i in range(len(self.caches))
+            ]
         return [s[:need] for s in self._staging], False
 
     def receiving(self, buffers: Sequence[torch.Tensor], targets: Sequence[int], direct: bool) -> LayerSink:
@@ -95,7 +119,7 @@ class LayerSink:
         self.buffers = buffers
         self.direct = direct
         self._ids = torch.tensor(targets, dtype=torch.long, device=receiver.caches[0].device)
-        self._hashers = [xxhash.xxh3_64() for _ in targets]
+        self._hashers = [PayloadHasher(receiver.key) for _ in targets]
 
     def __call__(self, layer: int, first: int, stop: int) -> None:
         """Blocks ``[first, stop)`` of ``layer`` arrived: update their checksums, place them if staged."""
@@ -116,9 +140,7 @@ class LayerSink:
         out: list[CorruptObjectError | None] = []
         for i, hasher in enumerate(self._hashers):
             try:
-                digest = check_header(head[i * HEADER_SIZE : (i + 1) * HEADER_SIZE].data, fingerprint, size)
-                if hasher.intdigest() != digest:
-                    raise CorruptObjectError("checksum", "payload does not match its xxh3_64 checksum")
+                hasher.verify(head[i * HEADER_SIZE : (i + 1) * HEADER_SIZE].data, fingerprint, size)
                 out.append(None)
             except CorruptObjectError as exc:
                 out.append(exc)

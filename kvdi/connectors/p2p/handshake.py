@@ -1,12 +1,13 @@
 """The p2p handshake: both peers announce themselves, optionally prove they share the auth token,
 and check that their KV layouts and backends make a pair.
 
-Through the rendezvous store, under ``kvdi/p2p/``: each side sets ``hello/<rank>`` (role, rank,
-backend, a fresh random nonce, whether it authenticates) and reads the other's. Without an
-auth token the hello also carries the layout, its fingerprint and the engine id, compared in
-clear. With one (``KVDI_P2P__AUTH_TOKEN``) the hello carries nothing else, and each side sets
-``proof/<rank>``: ``HMAC-SHA256(token, purpose | role | producer nonce | consumer nonce [|
-layout fingerprint])`` for the purposes ``auth`` and ``layout``. A peer without the token learns
+Through the rendezvous store (the keys and the order are in :mod:`kvdi.connectors.p2p.pairing`):
+each side sends a hello (role, rank, backend, a fresh random nonce, whether it authenticates)
+and reads the other's. Without an auth token the hello also carries the layout, its
+fingerprint and the engine id, compared in clear. With one (``KVDI_P2P__AUTH_TOKEN``) the
+hello carries nothing else, and each side sends a proof: ``HMAC-SHA256(token, purpose | role
+| producer nonce | consumer nonce [| layout fingerprint])`` for the purposes ``auth`` and
+``layout``. A peer without the token learns
 only the role, the backend and that a token is needed, and cannot compute a proof; the layout
 proof says whether the layouts match without showing either. Both then derive the session key
 ``HMAC(token, "session" | nonces)`` that names blocks and signs queue messages

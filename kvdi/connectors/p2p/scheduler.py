@@ -1,9 +1,17 @@
 """The p2p scheduler half: the producer plans saves of computed prompt blocks (up to the blocks a
-consumer may load); the consumer offers the prefix of a prompt the producer published."""
+consumer may load); the consumer offers the prefix of a prompt the producer published.
+
+A consumer's load is remote, so under ``transfer.async_load`` (``auto`` or ``on``) it runs
+beside the compute: the answer is ``load_async=True``, the load travels in
+:attr:`P2pTransferMetadata.async_loads`, and the request's blocks are held (``delay_free``)
+when it finishes until the worker half reports it in ``get_finished``.
+``transfer.async_load=off`` loads before the step's forward pass, as ``loads``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvdi.connectors.base import (
     BlockTransfer,
@@ -20,6 +28,13 @@ from kvdi.connectors.p2p.backend import require_channel
 from kvdi.connectors.plan import RequestPlan
 
 
+@dataclass(frozen=True)
+class P2pTransferMetadata(BlockTransferMetadata):
+    """Block transfers of one step; ``async_loads`` complete in the background (reported by ``get_finished``)."""
+
+    async_loads: tuple[BlockTransfer, ...] = ()
+
+
 class P2pSchedulerConnector(SchedulerConnector):
     """Producer: plans saves of computed prompt blocks. Consumer: offers the blocks the producer published."""
 
@@ -27,8 +42,11 @@ class P2pSchedulerConnector(SchedulerConnector):
         super().__init__(context)
         self.channel = require_channel(context)
         self._block_size = context.layout.block_size
+        self.load_async = context.settings.transfer.async_load != "off"
+        """Whether loads run in the background: ``transfer.async_load`` ``on``, or ``auto`` (p2p reads are remote)."""
         self._plans: dict[str, RequestPlan] = {}
         self._loads: list[BlockTransfer] = []
+        self._async_loads: dict[str, BlockTransfer] = {}
 
     def _plan(self, request: KVRequest) -> RequestPlan:
         plan = self._plans.get(request.request_id)
@@ -49,7 +67,8 @@ class P2pSchedulerConnector(SchedulerConnector):
         if held <= first:
             return 0, False
         self.stats.lookup_hit_blocks += held - first
-        return held * self._block_size - num_computed_tokens, False
+        plan.load_async = self.load_async
+        return held * self._block_size - num_computed_tokens, plan.load_async
 
     def update_state_after_alloc(self, request: KVRequest, block_ids: Sequence[int], num_external_tokens: int) -> None:
         if num_external_tokens <= 0 or self.channel.producer:
@@ -57,13 +76,20 @@ class P2pSchedulerConnector(SchedulerConnector):
         plan = self._plan(request)
         start = plan.load_from_tokens // self._block_size
         end = min(start + num_external_tokens // self._block_size, len(plan.keys), len(block_ids))
-        if end > start:
-            self._loads.append(
-                BlockTransfer(request.request_id, tuple(block_ids[start:end]), tuple(plan.keys[start:end]))
-            )
+        if end <= start:
+            return
+        transfer = BlockTransfer(request.request_id, tuple(block_ids[start:end]), tuple(plan.keys[start:end]))
+        if plan.load_async:
+            self._async_loads[request.request_id] = transfer
+        else:
+            self._loads.append(transfer)
 
     def build_connector_meta(self, output: SchedulerOutput) -> KVConnectorMetadata:
         loads, self._loads = tuple(self._loads), []
+        async_loads = tuple(self._async_loads.values())
+        self._async_loads = {}
+        for transfer in async_loads:  # the worker half reports it finished: hold its blocks until then
+            self._plans[transfer.request_id].held = True
         saves: list[BlockTransfer] = []
         if self.channel.producer:
             for sched in output.scheduled:
@@ -75,11 +101,14 @@ class P2pSchedulerConnector(SchedulerConnector):
                     saves.append(save)
         for rid in output.finished_req_ids:
             self._plans.pop(rid, None)
-        return BlockTransferMetadata(loads, tuple(saves))
+        return P2pTransferMetadata(loads, tuple(saves), async_loads)
 
     def request_finished(self, request: KVRequest, block_ids: Sequence[int]) -> tuple[bool, None]:
-        self._plans.pop(request.request_id, None)
-        return False, None
+        """Hold the blocks (``delay_free``) when an asynchronous load of this request reached the worker half:
+        it may still be writing into them until it reports the request in ``get_finished``."""
+        self._async_loads.pop(request.request_id, None)  # planned, never sent: nothing to wait for
+        plan = self._plans.pop(request.request_id, None)
+        return plan is not None and plan.held, None
 
 
-__all__ = ["P2pSchedulerConnector"]
+__all__ = ["P2pSchedulerConnector", "P2pTransferMetadata"]

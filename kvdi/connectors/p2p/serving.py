@@ -6,7 +6,8 @@ found flags and frame headers, then each layer of the found blocks in parts of a
 frees blocks on the consumer's acknowledgement, and unpublishes blocks that expire. Every
 message is decoded strictly (:meth:`~kvdi.connectors.p2p.protocol.Session.decode`): a bad one
 is dropped, counted in :attr:`Server.rejected` and logged once per reason, and the loop goes
-on. Only a failure to reach the consumer or the store ends it (``on_break`` is called).
+on. Would-be consumers that queue a hello after the pairing are answered ``busy``. Only a
+failure to reach the consumer or the store ends it (``on_break`` is called).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from kvdi.connectors.framing import HEADER_SIZE
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.p2p.held import HeldBlocks
+from kvdi.connectors.p2p.pairing import answer_busy
 from kvdi.connectors.p2p.protocol import CONSUMER_RANK, REQUEST_QUEUE, Ack, BadMessage, Request, Session, tag
 
 if TYPE_CHECKING:  # torch.distributed re-exports it at run time only
@@ -71,6 +73,7 @@ class Server:
         self._inflight: dict[int, tuple[list[bytes], float]] = {}
         self._logged: set[str] = set()
         self.rejected = 0  # bad messages dropped
+        self.busy_answered = 0  # hellos answered ``busy`` (this producer is paired already)
         self._thread = threading.Thread(target=self._run, name="kvdi-p2p-serve", daemon=True)
 
     def start(self) -> None:
@@ -92,6 +95,7 @@ class Server:
                 if time.monotonic() >= next_sweep:
                     self.unpublish(store, self.held.expire())
                     self._forget_stale()
+                    self.busy_answered += answer_busy(store)  # would-be consumers arriving after the pairing
                     next_sweep = time.monotonic() + SWEEP_S
                 try:
                     raw = store.queue_pop(REQUEST_QUEUE, False)

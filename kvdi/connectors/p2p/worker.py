@@ -1,12 +1,18 @@
 """The p2p worker half: the producer frames saved blocks and holds them for its consumer; the
 consumer fetches a step's blocks in one batch, verifies each against its frame header and places it.
 
-Producer: the worker half frames the blocks its scheduler half planned (the same format every
-store uses) into host memory and holds them, published under the block keys of
-:mod:`kvdi.connectors.keys`, until the consumer confirms or ``hold_s`` passes.
-Consumer: all of a step's blocks come in one request; each layer comes as messages of a few
-MiB, received straight into the paged cache when the target blocks are consecutive. Missing,
-corrupt or failed blocks (peer gone, timeout) go to
+Producer: the worker half copies the blocks its scheduler half planned out of the cache into
+host frames (the same format every store uses; MACed with ``KVDI_INTEGRITY_KEY`` when set)
+during ``wait_for_save``, and holds them, published under the block keys of
+:mod:`kvdi.connectors.keys`, until the consumer confirms or ``hold_s`` passes. Nothing reads
+a cache block after ``wait_for_save`` returns, so the engine may reuse it at once.
+Consumer: a step's synchronous loads come in one request; each layer comes as messages of a
+few MiB, received straight into the paged cache when the target blocks are consecutive.
+Asynchronous loads (:class:`~kvdi.connectors.p2p.scheduler.P2pTransferMetadata`) are fetched
+the same way on a background thread (one fetch at a time), started by ``start_load_kv``; the
+next ``start_load_kv`` after a fetch ended reports its failed blocks and ``get_finished`` the
+request (finished receiving). Missing, corrupt or failed blocks (peer gone, timeout, a frame
+without a valid MAC under the key) go to
 :meth:`~kvdi.connectors.base.WorkerConnector.report_load_error`, so the engine recomputes
 them per ``kv_load_failure_policy``.
 """
@@ -14,13 +20,24 @@ them per ``kv_load_failure_policy``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
-from kvdi.connectors.base import BlockTransferMetadata, ConnectorContext, WorkerConnector
+from kvdi.connectors.base import (
+    BlockTransfer,
+    BlockTransferMetadata,
+    ConnectorContext,
+    ConnectorStats,
+    KVConnectorMetadata,
+    WorkerConnector,
+)
+from kvdi.connectors.integrity import frame_key
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.p2p.backend import require_channel
 from kvdi.connectors.p2p.errors import P2pTransferError
+from kvdi.connectors.p2p.scheduler import P2pTransferMetadata
+from kvdi.connectors.transfer_queue import Outcome, TransferQueue, add_stats
 
 if TYPE_CHECKING:
     import torch
@@ -37,8 +54,13 @@ class P2pWorkerConnector(WorkerConnector):
         super().__init__(context)
         self.channel = require_channel(context)
         self.layout = context.layout
+        self._key = frame_key(context.settings)  # None unless KVDI_INTEGRITY_KEY(_FILE) is set
         self._caches: list[torch.Tensor] = []
         self._receiver: CacheReceiver | None = None
+        self._queue = TransferQueue(self.name, context.settings.transfer.max_inflight_bytes)
+        self._held: set[str] = set()  # requests with an asynchronous load: reported once finished and done
+        self._finishing: set[str] = set()
+        self._received: set[str] = set()
         self._logged: set[str] = set()
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -49,36 +71,80 @@ class P2pWorkerConnector(WorkerConnector):
             raise ValueError(f"register_kv_caches() lacks layers {missing} of the KV layout")
         self._caches = [kv_caches[n] for n in self.layout.layer_names]
         if not self.channel.producer:
-            self._receiver = CacheReceiver(self._caches, self.layout, self.channel.wire_device)
+            self._receiver = CacheReceiver(
+                self._caches, self.layout, self.channel.wire_device, self.context.staging, self._key
+            )
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        """Note the requests whose blocks the scheduler half holds for this half (an asynchronous load)."""
+        super().bind_connector_metadata(metadata)
+        if isinstance(metadata, P2pTransferMetadata):
+            self._held.update(t.request_id for t in metadata.async_loads)
 
     # -- consumer -----------------------------------------------------------------
     def start_load_kv(self) -> None:
+        """Report the asynchronous loads that ended, fetch this step's synchronous loads, start its async ones."""
+        self._collect(self._queue.harvest(loads=True))
         meta = self.metadata
-        if not isinstance(meta, BlockTransferMetadata) or not meta.loads or self._receiver is None:
+        if not isinstance(meta, BlockTransferMetadata) or self._receiver is None:
             return
-        keys = [k for t in meta.loads for k in t.block_keys]
-        ids = [b for t in meta.loads for b in t.block_ids]
-        with self.stats.timed("load_seconds"):
-            try:
-                good = self._fetch(self._receiver, keys, ids)
-            except P2pTransferError as exc:
-                self.stats.load_failures += 1
-                log_once(
-                    logger, self._logged, "fetch", "kv connector %r: p2p load failed, recomputing: %s", self.name, exc
-                )
-                good = [False] * len(keys)
+        if meta.loads:
+            with self.stats.timed("load_seconds"):
+                self.report_load_error(self._load(self._receiver, meta.loads, self.stats))
+        if isinstance(meta, P2pTransferMetadata):
+            for t in meta.async_loads:
+                self._queue.submit_load(t.request_id, t.block_ids, partial(self._load_job, self._receiver, t))
+
+    def _load_job(self, receiver: CacheReceiver, transfer: BlockTransfer) -> Outcome:
+        """One asynchronous load, on the background thread; its counters and failed blocks in the outcome."""
+        out = Outcome(transfer.request_id, True)
+        with out.stats.timed("load_seconds"):
+            out.failed_blocks = tuple(self._load(receiver, (transfer,), out.stats))
+        return out
+
+    def _collect(self, outcomes: list[Outcome]) -> None:
+        """Apply ended asynchronous loads on the engine thread: counters, load errors, finished receiving."""
+        for out in outcomes:
+            add_stats(self.stats, out.stats)
+            self.report_load_error(out.failed_blocks)
+            if out.request_id not in self._finishing:
+                self._received.add(out.request_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished sending: finished requests whose asynchronous load ended (their blocks may be freed);
+        finished receiving: requests whose asynchronous load the step's ``start_load_kv`` collected."""
+        self._finishing.update(r for r in finished_req_ids if r in self._held)
+        sending = {r for r in self._finishing if not self._queue.pending(r)}
+        self._finishing -= sending
+        self._held -= sending
+        received, self._received = self._received, set()
+        return sending or None, received or None
+
+    def _load(self, receiver: CacheReceiver, transfers: Sequence[BlockTransfer], stats: ConnectorStats) -> list[int]:
+        """Fetch ``transfers`` in one batch; the block ids not loaded (each transfer from its first bad block)."""
+        keys = [k for t in transfers for k in t.block_keys]
+        ids = [b for t in transfers for b in t.block_ids]
+        try:
+            good = self._fetch(receiver, keys, ids, stats)
+        except P2pTransferError as exc:
+            stats.load_failures += 1
+            log_once(logger, self._logged, "fetch", "kv connector %r: p2p load failed, recomputing: %s", self.name, exc)
+            good = [False] * len(keys)
+        failed: list[int] = []
         i = 0
-        for t in meta.loads:  # a load is usable up to its first bad block; the rest is recomputed
+        for t in transfers:  # a load is usable up to its first bad block; the rest is recomputed
             n = len(t.block_ids)
             ok = good[i : i + n]
             first_bad = ok.index(False) if False in ok else n
-            if first_bad < n:
-                self.report_load_error(t.block_ids[first_bad:])
-            self.stats.loaded_blocks += first_bad
-            self.stats.loaded_bytes += first_bad * self.layout.block_bytes
+            failed.extend(t.block_ids[first_bad:])
+            stats.loaded_blocks += first_bad
+            stats.loaded_bytes += first_bad * self.layout.block_bytes
             i += n
+        return failed
 
-    def _fetch(self, receiver: CacheReceiver, keys: Sequence[bytes], ids: Sequence[int]) -> list[bool]:
+    def _fetch(
+        self, receiver: CacheReceiver, keys: Sequence[bytes], ids: Sequence[int], stats: ConnectorStats
+    ) -> list[bool]:
         """Fetch ``keys`` into cache blocks ``ids``; whether each block arrived intact."""
         answer = self.channel.request(keys)
         rows = [i for i, hit in enumerate(answer.found) if hit]
@@ -91,7 +157,7 @@ class P2pWorkerConnector(WorkerConnector):
             for row, problem in zip(rows, sink.verdicts(answer.headers), strict=True):
                 good[row] = problem is None
                 if problem is not None:
-                    self.stats.corrupt_dropped += 1
+                    stats.corrupt_dropped += 1
                     log_once(
                         logger,
                         self._logged,
@@ -115,11 +181,23 @@ class P2pWorkerConnector(WorkerConnector):
                 if self.channel.broken is not None:
                     self.stats.save_failures += 1
                     continue
-                self.channel.hold(t.block_keys, gather_frames(self._caches, t.block_ids, self.layout))
+                self.channel.hold(t.block_keys, gather_frames(self._caches, t.block_ids, self.layout, self._key))
                 self.stats.saved_blocks += len(t.block_ids)
                 self.stats.saved_bytes += len(t.block_ids) * self.layout.block_bytes
 
+    def handle_preemptions(self, preempted_req_ids: Collection[str] | None = None) -> None:
+        """Wait for the asynchronous loads of requests whose blocks the engine takes back (vLLM's
+        preemption hook; None: every load), so no fetch writes into a reused block."""
+        self._queue.wait(None if preempted_req_ids is None else set(preempted_req_ids))
+
+    def flush(self) -> None:
+        """Wait until every asynchronous load ended (each is bounded by ``KVDI_P2P__TIMEOUT_S``)."""
+        self._queue.wait()
+
     def shutdown(self) -> None:
+        """Let running fetches end (they write into the cache), then stop the thread."""
+        self.flush()
+        self._queue.shutdown()
         self._caches = []
         self._receiver = None
 
