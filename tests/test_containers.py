@@ -6,12 +6,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from registry_helpers import CONNECTOR_MODULE, install_entry_point, write_module
 
 from kvdi.connectors.base import KVConnectorRole, SchedulerConnector, WorkerConnector, require_role
 from kvdi.containers import build_engine_container, build_kv_container
 from kvdi.errors import ConnectorTypeError, UnknownConnectorError, V1EngineRequiredError
 from kvdi.registry import ConnectorRegistry, ConnectorSpec
+from tests.helpers.registry import CONNECTOR_MODULE, install_entry_point, write_module
 
 
 def test_container_builds_both_halves_of_the_selected_connector(kvdi_env: Path) -> None:

@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from registry_helpers import CONNECTOR_MODULE, install_entry_point, write_module
 
 from kvdi.connectors.base import SchedulerConnector, WorkerConnector
 from kvdi.errors import ConnectorImportError, ConnectorTypeError, DuplicateConnectorError, UnknownConnectorError
 from kvdi.registry import ConnectorRegistry, ConnectorSpec
+from tests.helpers.registry import CONNECTOR_MODULE, install_entry_point, write_module
 
 NULL_S = "kvdi.connectors.null:NullSchedulerConnector"
 NULL_W = "kvdi.connectors.null:NullWorkerConnector"

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvdi_store_helpers import DictStore, Engine, make_settings, request, small_layout
 
 from kvdi.connectors.base import BlockTransferMetadata, KVRequest, ScheduledRequest, SchedulerOutput, run_transfer_step
 from kvdi.connectors.keys import block_keys
 from kvdi.connectors.store import ASYNC_LOAD_MIN_BYTES, StoreTransferMetadata
 from kvdi.errors import ConfigError
 from kvdi.settings import load_settings
+from tests.helpers.store import DictStore, Engine, make_settings, request, small_layout
 
 LAYOUT = small_layout(block_size=4)
 PROMPT = request(range(18))  # 4 full blocks and 2 tokens

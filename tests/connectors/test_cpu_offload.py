@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvdi_store_helpers import Engine, make_settings, request, small_layout
 
 from kvdi.connectors.base import KVConnectorRole
 from kvdi.connectors.cpu_offload import HostPoolStore, open_store
@@ -13,6 +12,7 @@ from kvdi.connectors.keys import block_keys
 from kvdi.containers import build_kv_container
 from kvdi.errors import ConfigError
 from kvdi.settings import CpuOffloadSettings
+from tests.helpers.store import Engine, make_settings, request, small_layout
 
 LAYOUT = small_layout(block_size=4)
 FRAME = HEADER_SIZE + LAYOUT.block_bytes

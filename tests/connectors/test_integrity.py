@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvdi_store_helpers import Engine, make_settings, request, small_layout
 
 from kvdi.connectors.cpu_offload import HostPoolStore
 from kvdi.connectors.framing import HEADER_SIZE, frame_header
@@ -16,6 +15,7 @@ from kvdi.connectors.shared_storage import FileBlockStore
 from kvdi.connectors.store import BlockStore
 from kvdi.errors import ConfigError
 from kvdi.settings import load_settings
+from tests.helpers.store import Engine, make_settings, request, small_layout
 
 LAYOUT = small_layout(block_size=4)
 PROMPT = request(range(18))

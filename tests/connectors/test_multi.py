@@ -14,8 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from kvdi_store_helpers import DictStore, Engine, make_settings, request, small_layout
-from registry_helpers import install_entry_point, write_module
 
 from kvdi.connectors.cpu_offload import HostPoolStore
 from kvdi.connectors.framing import HEADER_SIZE
@@ -26,6 +24,8 @@ from kvdi.containers import build_engine_container, build_kv_container, resolve_
 from kvdi.errors import ConfigError
 from kvdi.registry import ConnectorRegistry
 from kvdi.settings import KvdiSettings, MultiSettings
+from tests.helpers.registry import install_entry_point, write_module
+from tests.helpers.store import DictStore, Engine, make_settings, request, small_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 

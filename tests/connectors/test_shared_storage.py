@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvdi_store_helpers import Engine, make_settings, request, small_layout
 
 from kvdi.connectors.framing import HEADER_SIZE, frame_header
 from kvdi.connectors.keys import block_keys
@@ -23,11 +22,12 @@ from kvdi.containers import EngineContainer, build_engine_container
 from kvdi.errors import ConfigError
 from kvdi.layout import KVCacheSpec
 from kvdi.settings import SharedStorageSettings
+from tests.helpers.store import Engine, make_settings, request, small_layout
 
 LAYOUT = small_layout(block_size=4)
 PROMPT = request(range(18))
 KEYS = block_keys(PROMPT.prompt_token_ids, LAYOUT)
-HELPERS = str(Path(__file__).parent)
+REPO_ROOT = str(Path(__file__).resolve().parents[2])  # the child imports tests.helpers from here
 
 
 @pytest.fixture
@@ -184,7 +184,7 @@ CHILD = """
 import json, resource, sys
 sys.path.insert(0, sys.argv[2])
 from pathlib import Path
-from kvdi_store_helpers import Engine, make_settings, request, small_layout
+from tests.helpers.store import Engine, make_settings, request, small_layout
 from kvdi.connectors.shared_storage import FileBlockStore
 limit = int(sys.argv[3])
 if limit:
@@ -200,7 +200,7 @@ print(json.dumps(out))
 
 
 def run_child(root: Path, limit: int = 0, wrap: list[str] | None = None) -> dict[str, Any]:
-    argv = [sys.executable, "-c", CHILD, str(root), HELPERS, str(limit)]
+    argv = [sys.executable, "-c", CHILD, str(root), REPO_ROOT, str(limit)]
     proc = subprocess.run([*(wrap or []), *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvdi_store_helpers import DictStore, Engine, make_settings, request, small_layout
 
 from kvdi.connectors.base import (
     BlockTransferMetadata,
@@ -19,6 +18,7 @@ from kvdi.connectors.base import (
 from kvdi.connectors.keys import block_keys
 from kvdi.connectors.shared_storage import FileBlockStore
 from kvdi.connectors.store import StoreSchedulerConnector, StoreWorkerConnector
+from tests.helpers.store import DictStore, Engine, make_settings, request, small_layout
 
 LAYOUT = small_layout(block_size=4)
 PROMPT = request(range(18))  # 4 full blocks and 2 tokens

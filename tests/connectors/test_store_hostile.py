@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvdi_store_helpers import Engine, make_settings, request, small_layout
 
 from kvdi.connectors.cpu_offload import HostPoolStore
 from kvdi.connectors.framing import HEADER_SIZE
@@ -22,6 +21,7 @@ from kvdi.connectors.keys import block_keys
 from kvdi.connectors.shared_storage import FileBlockStore, open_store
 from kvdi.errors import ConfigError
 from kvdi.settings import SharedStorageSettings, load_settings
+from tests.helpers.store import Engine, make_settings, request, small_layout
 
 LAYOUT = small_layout(block_size=4)
 PROMPT = request(range(18))

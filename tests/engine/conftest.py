@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import small_settings
 
 from kvdi.containers import EngineContainer, build_engine_container
+from tests.helpers.engine import small_settings
 
 
 @pytest.fixture

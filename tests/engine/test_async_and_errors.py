@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from engine_helpers import registry_with
 
 from kvdi.connectors.base import (
     BlockTransfer,
@@ -26,6 +25,7 @@ from kvdi.engine.engine import LLMEngine
 from kvdi.layout import KVCacheSpec
 from kvdi.registry import ConnectorSpec
 from kvdi.settings import KvdiSettings
+from tests.helpers.engine import registry_with
 
 Make = Callable[..., EngineContainer]
 PROMPTS = [[(3 * i + j) % 256 for j in range(10 + 5 * i)] for i in range(3)]

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import BLOCK_SIZE, small_settings
 
 from kvdi.connectors.keys import block_keys
 from kvdi.connectors.shared_storage import FileBlockStore
@@ -23,6 +22,7 @@ from kvdi.containers import EngineContainer, build_engine_container
 from kvdi.engine.engine import LLMEngine
 from kvdi.engine.scheduler import Request, RequestStatus
 from kvdi.testing.redis_server import RedisServer
+from tests.helpers.engine import BLOCK_SIZE, small_settings
 
 PROMPTS = [[(5 * i + 3 * j) % 256 for j in range(13 + 6 * i)] for i in range(4)]
 NEW_TOKENS = 4

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import BLOCK_SIZE, small_settings
 
 from kvdi.connectors.framing import unframe
 from kvdi.connectors.keys import block_keys
@@ -26,6 +25,7 @@ from kvdi.containers import EngineContainer, build_engine_container
 from kvdi.engine.engine import LLMEngine
 from kvdi.engine.model import SequenceChunk
 from kvdi.testing.redis_server import RedisServer
+from tests.helpers.engine import BLOCK_SIZE, small_settings
 
 NUM_BLOCKS = 12  # one long request and a short one at a time: blocks are reused every few steps
 PROMPTS = [[random.Random(i).randrange(256) for _ in range(9 + (7 * i) % 22)] for i in range(24)]

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import BLOCK_SIZE, small_settings
 
 from kvdi.connectors.base import loadable_tokens
 from kvdi.containers import EngineContainer, build_engine_container
 from kvdi.engine.engine import LLMEngine, RequestOutput
+from tests.helpers.engine import BLOCK_SIZE, small_settings
 
 Make = Callable[..., EngineContainer]
 NEW_TOKENS = 5

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import BLOCK_SIZE
 
 from kvdi.connectors.base import loadable_tokens
 from kvdi.containers import EngineContainer
 from kvdi.engine.engine import LLMEngine
+from tests.helpers.engine import BLOCK_SIZE
 
 Make = Callable[..., EngineContainer]
 PROMPTS = [[(7 * i + j) % 256 for j in range(9 + 4 * i)] for i in range(4)]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import BLOCK_SIZE, make_model
 
 from kvdi.engine.model import SequenceChunk
+from tests.helpers.engine import BLOCK_SIZE, make_model
 
 
 def caches_for(model_blocks: int = 16, fill: float = 0.0) -> dict[str, torch.Tensor]:

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 from dependency_injector import providers
-from engine_helpers import registry_with
 
 from kvdi.connectors.base import ConnectorContext, KVConnectorMetadata, KVRequest, SchedulerOutput
 from kvdi.connectors.null import NullSchedulerConnector, NullWorkerConnector
@@ -17,6 +16,7 @@ from kvdi.engine.scheduler import Request, Scheduler
 from kvdi.engine.worker import Worker
 from kvdi.registry import ConnectorSpec
 from kvdi.testing.recording import RecordingSchedulerConnector, RecordingWorkerConnector
+from tests.helpers.engine import registry_with
 
 Make = Callable[..., EngineContainer]
 PROMPTS = [[i % 200 + 1] * (5 + 3 * i) for i in range(6)]
