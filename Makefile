@@ -19,6 +19,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvdi tests containers
+	$(BIN)/ruff format --check kvdi tests containers
 	$(BIN)/mypy
 
 test-unit: $(STAMP)

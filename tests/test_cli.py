@@ -186,7 +186,11 @@ def test_check_refuses_absurd_settings_in_one_line(tmp_path: Path, make_env: Any
 
 
 def test_check_opens_and_probes_the_shared_storage_backend(tmp_path: Path) -> None:
-    r = kvdi("check", env={"KVDI_SHARED_STORAGE__PATH": str(tmp_path / "kv"), "KVDI_ALLOCATOR__NUM_BLOCKS": "4"}, cwd=tmp_path)
+    r = kvdi(
+        "check",
+        env={"KVDI_SHARED_STORAGE__PATH": str(tmp_path / "kv"), "KVDI_ALLOCATOR__NUM_BLOCKS": "4"},
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("ok: connector shared_storage (builtin), 4 KV blocks on") and "backend: " in r.stdout
     assert (tmp_path / "kv").is_dir()

@@ -55,7 +55,9 @@ def test_no_password_survives_in_the_userinfo(pw: str, user: str) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(pw=_PASSWORD.filter(lambda pw: "&" not in pw), key=st.sampled_from(["password", "pass", "token", "auth", "secret"]))
+@given(
+    pw=_PASSWORD.filter(lambda pw: "&" not in pw), key=st.sampled_from(["password", "pass", "token", "auth", "secret"])
+)
 def test_no_password_survives_in_the_query(pw: str, key: str) -> None:
     """A secret query parameter is hidden up to the next '&', a '#' in it included."""
     assume(pw not in f"redis://127.0.0.1:6379/0?db=1&{key}=***")  # e.g. "pass" inside "password"
@@ -64,14 +66,33 @@ def test_no_password_survives_in_the_query(pw: str, key: str) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["password", "PASSWORD", "passwd", "pwd", "token", "auth", "auth_token", "api_key", "apiKey", "api-key", "access_key",
-     "secret", "client_secret", "credentials", "integrity_key", "private_key", "redis.password"],
+    [
+        "password",
+        "PASSWORD",
+        "passwd",
+        "pwd",
+        "token",
+        "auth",
+        "auth_token",
+        "api_key",
+        "apiKey",
+        "api-key",
+        "access_key",
+        "secret",
+        "client_secret",
+        "credentials",
+        "integrity_key",
+        "private_key",
+        "redis.password",
+    ],
 )
 def test_secret_names(name: str) -> None:
     assert is_secret_key(name)
 
 
-@pytest.mark.parametrize("name", ["url", "key_prefix", "integrity_key_file", "author", "kv_port", "key", "block_size", ""])
+@pytest.mark.parametrize(
+    "name", ["url", "key_prefix", "integrity_key_file", "author", "kv_port", "key", "block_size", ""]
+)
 def test_plain_names(name: str) -> None:
     assert not is_secret_key(name)
 

@@ -86,9 +86,7 @@ def test_module_path_with_a_spec_is_imported_only_when_selected(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
-    name = write_module(
-        tmp_path, CONNECTOR_MODULE + '\nSPEC = ConnectorSpec("mine", "{m}:MySched", "{m}:MyWorker")\n'
-    )
+    name = write_module(tmp_path, CONNECTOR_MODULE + '\nSPEC = ConnectorSpec("mine", "{m}:MySched", "{m}:MyWorker")\n')
     path = tmp_path / f"{name}.py"
     path.write_text("from kvdi.registry import ConnectorSpec\n" + path.read_text().replace("{m}", name))
     reg = ConnectorRegistry()

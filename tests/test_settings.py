@@ -275,7 +275,11 @@ def test_a_section_json_env_var_is_blamed_with_its_key(kvdi_env: Path, monkeypat
 
 @pytest.mark.parametrize(
     "text",
-    ["a = " + "[" * 5000 + "]" * 5000, "x." * 5000 + "y = 1", "[kv_connector_extra_config]\na = " + "[" * 40 + "]" * 40],
+    [
+        "a = " + "[" * 5000 + "]" * 5000,
+        "x." * 5000 + "y = 1",
+        "[kv_connector_extra_config]\na = " + "[" * 40 + "]" * 40,
+    ],
     ids=["arrays", "dotted-keys", "extra-config"],
 )
 def test_deeply_nested_toml_is_a_config_error(

@@ -251,9 +251,7 @@ def ttft_consumer(port: int, prompt_len: int, count: int, async_load: str, out: 
         from kvdi.containers import build_engine_container
 
         blocks = 2 * -(-(prompt_len + 1) // BLOCK_SIZE) + 2
-        container = build_engine_container(
-            _settings("kv_consumer", port, blocks, BENCH_MODEL, BLOCK_SIZE, async_load)
-        )
+        container = build_engine_container(_settings("kv_consumer", port, blocks, BENCH_MODEL, BLOCK_SIZE, async_load))
         prompts = _prompts(prompt_len, count, BENCH_MODEL["vocab_size"])
         engine = container.engine()
         loaded: list[float] = []

@@ -272,4 +272,3 @@ __all__ = [
     "physical_memory_bytes",
     "within_physical_memory",
 ]
-

@@ -39,7 +39,9 @@ def settings_for(tmp_path: Path, slots: int = 16) -> KvdiSettings:
     return make_settings(tmp_path / "kv", cpu_offload={"max_bytes": slots * FRAME})
 
 
-def open_tiered(options: MultiSettings, settings: KvdiSettings, registry: ConnectorRegistry | None = None) -> TieredStore:
+def open_tiered(
+    options: MultiSettings, settings: KvdiSettings, registry: ConnectorRegistry | None = None
+) -> TieredStore:
     """multi's backend as the container builds it: tiers resolved through a registry, then opened."""
     reg = registry or ConnectorRegistry()
     tiers = resolve_tiers(reg, reg.resolve("multi"), options, settings)

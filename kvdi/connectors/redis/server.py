@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 def client_options(options: RedisSettings) -> dict[str, Any]:
     """redis-py keyword arguments every kvdi connection uses: bounded timeouts, no retries, no health pings."""
     return {
