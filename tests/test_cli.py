@@ -216,10 +216,6 @@ def test_check_opens_every_tier_of_multi(tmp_path: Path) -> None:
 
 
 def test_check_fails_on_an_unreachable_redis_with_a_masked_url(tmp_path: Path) -> None:
-    from kvdi.connectors.redis import RedisBlockStore
-
-    if not hasattr(RedisBlockStore, "check"):
-        pytest.skip("RedisBlockStore.check() (contract 3) is the redis helper's; not in this branch yet")
     with socket.socket() as sock:  # a loopback port with nobody listening
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
