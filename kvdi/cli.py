@@ -29,7 +29,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return command(args, rest)
     except KvdiError as exc:
-        print(f"kvdi: error: {_one_line(str(exc))}", file=sys.stderr)
+        from kvdi.masking import mask_text
+
+        print(f"kvdi: error: {_one_line(mask_text(str(exc)))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvdi.errors import KvdiError
 from kvdi.masking import mask_text
 
 if TYPE_CHECKING:
@@ -81,15 +80,13 @@ def make_prompts(count: int, length: int, vocab_size: int, seed: int = SEED) -> 
 
 def run_demo(options: DemoOptions, **overrides: Any) -> int:
     """Run the demo, print the table (or JSON) and return the exit status. ``overrides`` are settings kwargs."""
-    try:
-        if options.store_dir is not None:
-            report = measure(options, options.store_dir, overrides)
-        else:
-            with tempfile.TemporaryDirectory(prefix="kvdi-demo-") as tmp:
-                report = measure(options, Path(tmp), overrides)
-    except KvdiError as exc:
-        print(f"kvdi demo: {mask_text(str(exc))}")
-        return 2
+    # A KvdiError (bad settings, a plan that does not fit, a backend that cannot open) goes up to
+    # the CLI, which prints it as one masked line on stderr and exits 2.
+    if options.store_dir is not None:
+        report = measure(options, options.store_dir, overrides)
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvdi-demo-") as tmp:
+            report = measure(options, Path(tmp), overrides)
     if options.json:
         print(mask_text(json.dumps(report.as_dict())))
     else:

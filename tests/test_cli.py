@@ -254,5 +254,5 @@ def test_demo_never_prints_a_redis_password_with_slash_or_hash(tmp_path: Path) -
     env = {"KVDI_KV_CONNECTOR": "redis", "KVDI_REDIS__URL": "redis://:pa/ss#wd@127.0.0.1:1/0"}
     r = kvdi("demo", "--prompts", "1", "--prompt-len", "16", "--new-tokens", "1", env=env, cwd=tmp_path)
     assert r.returncode == 2, (r.stdout, r.stderr)
-    assert "redis://:***@127.0.0.1:1/0" in r.stdout
+    assert len(r.stderr.splitlines()) == 1 and "redis://:***@127.0.0.1:1/0" in r.stderr, r.stderr
     assert "pa/ss" not in r.stdout + r.stderr and "ss#wd" not in r.stdout + r.stderr
