@@ -41,7 +41,7 @@ except ImportError as exc:  # only vLLM loads this module; say what to install i
     raise ImportError(f"kvdi.integrations.vllm needs vLLM ({exc}); install it with: pip install 'kvdi[vllm]'") from exc
 
 from kvdi.connectors.base import BlockTransferMetadata, SchedulerConnector, WorkerConnector
-from kvdi.connectors.store import StoreSchedulerConnector, StoreWorkerConnector
+from kvdi.connectors.store import StoreSchedulerConnector
 from kvdi.connectors.store_scheduler import StoreTransferMetadata
 from kvdi.containers import KVTransferContainer
 from kvdi.errors import ConfigError, KvdiError, KVLoadError
@@ -55,6 +55,7 @@ from kvdi.integrations.vllm.parallel import AllRanksStore, KeyLookup
 from kvdi.integrations.vllm.requests import RequestTracker
 from kvdi.integrations.vllm.shared import SHARED
 from kvdi.integrations.vllm.stats import AdapterStats, StatsReporter, check_engine_id, write_stats_file
+from kvdi.registry import import_target
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -94,6 +95,8 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self.half: SchedulerConnector | WorkerConnector
         try:
             self._index_mode = needs_block_index(container.connector().spec, vllm_config)
+            if self._shape.sliced:
+                self._check_parallel(container)  # before building a half (p2p's would wait for its peer)
             if role == VllmRole.SCHEDULER:
                 if self._index_mode:
                     self._index = self._block_index(container)
@@ -103,8 +106,6 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 self._scheduler = self.half = cast(SchedulerConnector, container.scheduler_connector())
             else:
                 self._worker = self.half = cast(WorkerConnector, container.worker_connector())
-            if self._shape.sliced:
-                self._check_parallel(container)
         except BaseException:
             SHARED.release(self._engine_id)
             raise
@@ -141,7 +142,9 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     def _check_parallel(self, container: KVTransferContainer) -> None:
         """Refuse what cannot store per-rank slices: stores in one worker's memory, non-store connectors."""
         spec = container.connector().spec
-        if self._index_mode or not isinstance(self.half, StoreSchedulerConnector | StoreWorkerConnector):
+        scheduler_class = import_target(spec.scheduler)
+        store_halves = isinstance(scheduler_class, type) and issubclass(scheduler_class, StoreSchedulerConnector)
+        if self._index_mode or not store_halves:
             raise ConfigError(
                 f"kvdi.kv_connector={spec.name!r} does not support tensor_parallel_size="
                 f"{self._shape.tp_size} / pipeline_parallel_size={self._shape.pp_size}: with more than one "
