@@ -4,7 +4,7 @@ Usage: ``python tests/integration/engine_run.py SPEC.json`` where SPEC holds ``m
 directory), ``prompts`` (lists of token ids), ``rounds``, ``max_tokens``, ``block_size``,
 ``max_model_len``, ``out`` (where the result goes), optionally ``kv`` (KVTransferConfig
 keyword arguments), ``prefix_caching`` (vLLM's own prefix cache, on unless false), ``tensor_parallel_size``,
-``pipeline_parallel_size``, ``executor`` (``distributed_executor_backend``, e.g. ``"uni"``) and
+``pipeline_parallel_size``, ``num_gpu_blocks`` (vLLM's ``num_gpu_blocks_override``), ``executor`` (``distributed_executor_backend``, e.g. ``"uni"``) and
 ``log_stats`` (vLLM's periodic stats log, where connector stats show up) and ``drain`` (in-process
 engines: step until vLLM holds no request, then report its free blocks as ``result["drain"]``).
 The result: ``{"init_seconds": s, "rounds": [{"seconds": s, "tokens": [[...], ...], "finish_reasons":
@@ -45,6 +45,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if spec.get("tensor_parallel_size"):
         kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
+    if spec.get("num_gpu_blocks"):  # a tiny KV cache: vLLM preempts running requests to make room
+        kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
     if spec.get("pipeline_parallel_size"):
         kwargs["pipeline_parallel_size"] = spec["pipeline_parallel_size"]
     if spec.get("executor"):

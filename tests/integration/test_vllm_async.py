@@ -133,3 +133,30 @@ def test_async_load_failure_under_fail_policy_fails_only_that_request(
     assert "Failing 1 request(s) due to KV load failure" in Path(result["log"]).read_text()
     assert read_stats(stats, "worker")["corrupt_dropped"] == 1
     assert_drained(result)
+
+
+def test_preempted_requests_are_written_before_their_blocks_are_reused(
+    tmp_path: Path, base_spec: dict[str, Any], prompts: list[list[int]], baseline_tokens: list[list[int]]
+) -> None:
+    """A 12-block KV cache: vLLM preempts a running request to make room, and its ``handle_preemptions`` hook
+    reaches kvdi's worker with the preempted ids. Every object stored under that pressure is then loaded by a
+    second engine with tokens identical to no connector (no block was written after vLLM reused it)."""
+    store = tmp_path / "store"
+    kv = kv_config("shared_storage", stats_dir=tmp_path / "stats-tiny", shared_storage__path=str(store))
+    tiny = {**base_spec, "kv": kv, "max_tokens": 40, "num_gpu_blocks": 12, "max_model_len": 256, "drain": True}
+
+    result = run_engine(tmp_path, "tiny-cache", tiny, env=IN_PROCESS)
+
+    assert [t[:8] for t in result["rounds"][0]["tokens"]] == baseline_tokens
+    worker = read_stats(tmp_path / "stats-tiny", "worker")
+    assert worker["preempted_flushed"] >= 1
+    assert worker["saved_blocks"] == expected_saved(prompts)
+    assert_drained(result)
+
+    stats = tmp_path / "stats-load"
+    kv = kv_config("shared_storage", stats_dir=stats, shared_storage__path=str(store), transfer__async_load="on")
+    loaded = run_engine(tmp_path, "load", {**base_spec, "kv": kv}, env=IN_PROCESS)
+
+    assert loaded["rounds"][0]["tokens"] == baseline_tokens
+    assert read_stats(stats, "worker")["loaded_blocks"] == expected_blocks(prompts)
+    assert read_stats(stats, "worker")["corrupt_dropped"] == 0
