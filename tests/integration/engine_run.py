@@ -3,12 +3,14 @@
 Usage: ``python tests/integration/engine_run.py SPEC.json`` where SPEC holds ``model`` (a
 directory), ``prompts`` (lists of token ids), ``rounds``, ``max_tokens``, ``block_size``,
 ``max_model_len``, ``out`` (where the result goes), optionally ``kv`` (KVTransferConfig
-keyword arguments), ``prefix_caching`` (vLLM's own prefix cache, on unless false), ``tensor_parallel_size``,
-``pipeline_parallel_size``, ``num_gpu_blocks`` (vLLM's ``num_gpu_blocks_override``), ``executor`` (``distributed_executor_backend``, e.g. ``"uni"``) and
-``log_stats`` (vLLM's periodic stats log, where connector stats show up) and ``drain`` (in-process
-engines: step until vLLM holds no request, then report its free blocks as ``result["drain"]``).
-The result: ``{"init_seconds": s, "rounds": [{"seconds": s, "tokens": [[...], ...], "finish_reasons":
-[...]}, ...]}``.
+keyword arguments), ``prefix_caching`` (vLLM's own prefix cache, on unless false),
+``tensor_parallel_size``, ``pipeline_parallel_size``, ``enforce_eager`` (default true),
+``num_gpu_blocks`` (vLLM's ``num_gpu_blocks_override``), ``executor``
+(``distributed_executor_backend``, e.g. ``"uni"``), ``log_stats`` (vLLM's periodic stats
+log, where connector stats show up) and ``drain`` (in-process engines: step until vLLM
+holds no request, then report its free blocks as ``result["drain"]``).
+The result: ``{"init_seconds": s, "rounds": [{"seconds": s, "tokens": [[...], ...],
+"finish_reasons": [...]}, ...]}``.
 
 It is a script, not a test: vLLM spawns processes, so everything runs under the
 ``__main__`` guard, one engine per interpreter.
@@ -33,7 +35,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": spec["model"],
         "skip_tokenizer_init": True,
-        "enforce_eager": True,
+        "enforce_eager": bool(spec.get("enforce_eager", True)),
         "enable_prefix_caching": bool(spec.get("prefix_caching", True)),
         "gpu_memory_utilization": 0.3,
         "max_model_len": spec.get("max_model_len", 512),

@@ -24,6 +24,14 @@ backend's capacity.
 Under tensor or pipeline parallelism each worker rank stores and loads its own slice of
 every block under its own key, and the scheduler offers a block only when every rank's
 slice is stored (:mod:`.parallel`).
+
+Asynchronous transfers of the store halves follow vLLM's protocol: ``load_async=True``
+parks a request in ``WAITING_FOR_REMOTE_KVS`` and ``start_load_kv`` runs every step until
+the worker reported each started load in ``get_finished``; held requests (``delay_free``)
+are reported finished sending; vLLM's ``handle_preemptions`` hook gets the step's
+preempted request ids (carried in the metadata envelope) to the worker half before the
+forward pass reuses their blocks; a request vLLM ends while parked is freed once
+(:mod:`.async_loads`).
 """
 
 from __future__ import annotations
