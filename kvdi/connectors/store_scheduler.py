@@ -1,6 +1,6 @@
 """The scheduler half of the store connectors: offers stored prefixes, plans loads and saves.
 
-It asks the store how many leading blocks of a prompt it holds and tells the worker half,
+It asks the store how many blocks of a prompt it holds from vLLM's local hit onward and tells the worker half,
 step by step, which blocks to load and which to save (:class:`StoreTransferMetadata`).
 With ``transfer.async_load`` a load runs beside the compute: the answer is
 ``load_async=True`` and the load travels in ``async_loads`` with the blocks allocated for
@@ -75,8 +75,11 @@ class StoreSchedulerConnector(SchedulerConnector):
         plan.load_accepted = plan.load_async = False
         plan.load_start = plan.load_end = 0
         bs = self._block_size
+        first = min(num_computed_tokens // bs, len(plan.keys))
         try:
-            plan.stored = self.store.count_prefix(plan.keys)  # all full blocks: none is saved twice
+            # From vLLM's local hit onward: the engine holds the blocks before it, and the keys chain from
+            # block 0, so a held key at ``first`` is the same prefix whether or not the store kept the earlier ones.
+            plan.stored = self.store.count_prefix(plan.keys[first:]) if first < len(plan.keys) else 0
         except Exception as exc:  # anything a store raises is a miss
             self.stats.load_failures += 1
             logger.warning("kv connector %r: store lookup failed, treating as a miss: %r", self.name, exc)
@@ -85,9 +88,9 @@ class StoreSchedulerConnector(SchedulerConnector):
             logger.warning("kv connector %r: count_prefix returned %r, treating as a miss", self.name, plan.stored)
             self.stats.load_failures += 1
             plan.stored = 0
-        plan.saved = max(plan.saved, plan.stored)
+        plan.stored += first  # blocks before the local hit are never saved by this request (computed before it)
+        plan.saved = max(plan.saved, plan.stored)  # all full blocks: none is saved twice
         stored = min(plan.stored, loadable_tokens(len(request.prompt_token_ids), bs) // bs)
-        first = num_computed_tokens // bs
         if not self.context.settings.is_consumer or stored * bs <= num_computed_tokens:
             return 0, False
         self.stats.lookup_hit_blocks += stored - first

@@ -64,7 +64,7 @@ def test_vllm_request_becomes_a_kv_request_with_its_salt() -> None:
     plain = kv_request(_request("r", [1, 2]))
     assert (plain.request_id, plain.prompt_token_ids, plain.cache_salt) == ("r", (1, 2), None)
     salted = kv_request(_request("s", [1], cache_salt="t", lora_request=LoRARequest("a", 1, "/nowhere")))
-    assert salted.cache_salt == "salt=1:tlora=1:a"
+    assert salted.cache_salt == "s1:t|l1:a"  # kvdi.connectors.keys.compose_salt: tagged, length-prefixed parts
 
 
 def test_tracker_rebuilds_full_block_lists_from_vllm_scheduler_output() -> None:

@@ -178,4 +178,10 @@ def test_redis_across_two_engines(
 
     assert [r["rounds"][0]["tokens"] for r in results] == [baseline_tokens, baseline_tokens]
     assert read_stats(stats[0], "worker")["saved_blocks"] == expected_saved(prompts)
-    assert read_stats(stats[1], "worker")["loaded_blocks"] == expected_blocks(prompts)
+    consumer = read_stats(stats[1], "worker")
+    assert consumer["loaded_blocks"] == expected_blocks(prompts)
+    # Redis loads asynchronously by default (transfer.async_load=auto): every prompt with a hit waited in
+    # vLLM's WAITING_FOR_REMOTE_KVS until the worker reported it finished receiving.
+    with_hits = sum(1 for p in prompts if expected_blocks([p]))
+    assert read_stats(stats[1], "scheduler")["async_load_requests"] == with_hits
+    assert consumer["finished_recving"] == with_hits

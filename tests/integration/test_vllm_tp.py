@@ -103,3 +103,33 @@ def test_corrupt_slice_on_one_rank_is_recomputed_on_all(tp_store: dict[str, Any]
     assert result["rounds"][0]["tokens"] == tp_store["tokens"]
     dropped = sorted(r["corrupt_dropped"] for r in _per_rank(stats))
     assert dropped[0] == 0 and dropped[1] >= 1
+
+
+@pytest.mark.parametrize(
+    ("connector", "role", "tp", "pp"),
+    [("cpu_offload", "kv_both", 2, 1), ("cpu_offload", "kv_both", 1, 2), ("p2p", "kv_producer", 2, 1)],
+)
+def test_connectors_without_parallel_support_refuse_in_one_line(
+    tiny_model: Path, connector: str, role: str, tp: int, pp: int
+) -> None:
+    """cpu_offload (blocks in one worker's memory) and p2p refuse TP/PP > 1 when vLLM builds the connector."""
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvdi.errors import ConfigError
+    from kvdi.integrations.vllm import KvdiConnector
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(tiny_model), skip_tokenizer_init=True, dtype="float32", max_model_len=512),
+        cache_config=CacheConfig(block_size=32),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="mp"
+        ),
+        kv_transfer_config=KVTransferConfig(**kv_config(connector, role=role)),
+    )
+    with pytest.raises(ConfigError) as err:
+        KvdiConnector(config, KVConnectorRole.SCHEDULER, None)
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"kvdi.kv_connector={connector!r} does not support" in message
+    assert f"tensor_parallel_size={tp} / pipeline_parallel_size={pp}" in message

@@ -131,6 +131,49 @@ def test_bridge_copies_non_contiguous_blocks_through_scratch() -> None:
     assert torch.all(worker.saved[b"k5"] == 7.0)
 
 
+def test_bridge_runs_async_store_transfers_in_the_step_and_still_reports_them(tmp_path: Any) -> None:
+    """Through scratch, async loads and saves of the store halves run in the step (scratch is reused next
+    step) and the requests still reach vLLM: finished receiving, then finished sending when they end."""
+    from kvdi.connectors.shared_storage import FileBlockStore
+    from kvdi.connectors.store import StoreWorkerConnector
+    from kvdi.connectors.store_scheduler import StoreTransferMetadata
+
+    settings = load_settings(kv_role="kv_both", engine_id="bridge")
+    assert settings.transfer.async_save
+    worker = StoreWorkerConnector(
+        ConnectorContext("shared_storage", KVConnectorRole.WORKER, settings, SPEC, None, FileBlockStore(tmp_path))
+    )
+    gen = torch.Generator().manual_seed(0)
+    vllm_cache = {f"layers.{i}": torch.rand(2, 6, SPEC.block_size, 2, 32, generator=gen) for i in range(2)}
+    views = {name: kvdi_layer_view(t, SPEC, num_blocks=6) for name, t in vllm_cache.items()}
+    bridge = LayoutBridge(views, worker)
+    assert not bridge.direct
+    originals = {name: v[[1, 2]].clone() for name, v in views.items()}
+
+    def step(meta: StoreTransferMetadata, finished: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        worker.bind_connector_metadata(bridge.bind(meta))
+        worker.start_load_kv()
+        bridge.after_load()
+        bridge.before_save()
+        worker.wait_for_save()
+        done = worker.get_finished(finished)
+        worker.clear_connector_metadata()
+        return done
+
+    saves = (BlockTransfer("w", (1, 2), (b"k1", b"k2")),)
+    assert step(StoreTransferMetadata((), saves, (), async_save=True), {"w"}) == ({"w"}, None)
+    for v in views.values():
+        v[[1, 2]] = 0.0
+    async_load = StoreTransferMetadata((), (), (BlockTransfer("r", (4, 5), (b"k1", b"k2")),), async_save=True)
+
+    assert step(async_load, set()) == (None, None)
+    assert all(torch.equal(views[n][[4, 5]], originals[n]) for n in views)  # loaded within the step
+    assert step(StoreTransferMetadata((), (), ()), set()) == (None, {"r"})  # reported: vLLM resumes "r"
+    assert step(StoreTransferMetadata((), (), ()), {"r"}) == ({"r"}, None)  # held until it ends, then freed
+    assert bridge.take_errors() == set()
+    worker.shutdown()
+
+
 def test_rank_slice_of_a_worker_follows_vllm_rank_and_the_scheduler_is_rank_zero() -> None:
     config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2, rank=3))
     assert rank_slice(config, worker=True) == RankSlice(tp_size=2, pp_size=2, tp_rank=1, pp_rank=1)

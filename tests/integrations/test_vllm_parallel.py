@@ -34,6 +34,19 @@ def test_rekey_replaces_load_and_save_keys_for_the_rank() -> None:
     assert out.saves[0].block_keys == (rank1.key(b"c" * 16),)
 
 
+def test_rekey_keeps_the_asynchronous_parts_of_store_metadata() -> None:
+    from kvdi.connectors.store_scheduler import StoreTransferMetadata
+
+    rank1 = RankSlice(tp_size=2, tp_rank=1)
+    meta = StoreTransferMetadata(
+        (), (BlockTransfer("s", (2,), (b"b",)),), (BlockTransfer("r", (1,), (b"a",)),), async_save=True
+    )
+    out = rank1.rekey(meta)
+    assert isinstance(out, StoreTransferMetadata) and out.async_save
+    assert out.async_loads == (BlockTransfer("r", (1,), (rank1.key(b"a"),)),)
+    assert out.saves == (BlockTransfer("s", (2,), (rank1.key(b"b"),)),)
+
+
 def test_a_block_counts_only_when_every_rank_stored_its_slice() -> None:
     backend = BlockIndex(capacity=100)
     keys = [bytes([i]) * 16 for i in range(4)]

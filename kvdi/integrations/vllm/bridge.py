@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
 from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, KVConnectorMetadata, WorkerConnector
+from kvdi.connectors.store_scheduler import StoreTransferMetadata
 
 
 class LayoutBridge:
@@ -18,7 +20,9 @@ class LayoutBridge:
     nothing is copied. Otherwise the worker half is given a small contiguous scratch cache in
     kvdi's order: each step's :class:`BlockTransferMetadata` is rewritten from vLLM block ids
     to scratch slots, blocks to save are gathered into scratch before the save, and loaded
-    blocks are scattered into vLLM's cache after the load.
+    blocks are scattered into vLLM's cache after the load. Through scratch every transfer is
+    synchronous (asynchronous loads and saves of the store halves run within the step), and
+    the store halves' requests are still reported as vLLM expects.
     """
 
     def __init__(self, views: Mapping[str, torch.Tensor], worker: WorkerConnector) -> None:
@@ -61,11 +65,21 @@ class LayoutBridge:
                 out.append(BlockTransfer(t.request_id, slots, t.block_keys))
             return tuple(out)
 
-        loads, saves = remap(metadata.loads, self._loads), remap(metadata.saves, self._saves)
+        if not isinstance(metadata, StoreTransferMetadata):
+            loads, saves = remap(metadata.loads, self._loads), remap(metadata.saves, self._saves)
+            bridged: BlockTransferMetadata = BlockTransferMetadata(loads, saves)
+        else:
+            # Scratch slots are reused by the next step, so nothing may run in the background here: async
+            # loads run now, with the sync ones, and an empty async load per request keeps the worker's
+            # bookkeeping (reported finished receiving next step, its blocks held until finished sending).
+            loads = remap((*metadata.loads, *metadata.async_loads), self._loads)
+            saves = remap(metadata.saves, self._saves)
+            markers = tuple(BlockTransfer(t.request_id, (), ()) for t in metadata.async_loads)
+            bridged = replace(metadata, loads=loads, saves=saves, async_loads=markers, async_save=False)
         self._slot_to_block = dict((slot, block) for block, slot in self._loads)
         if next_slot:
             self._ensure_scratch(next_slot)
-        return BlockTransferMetadata(loads, saves)
+        return bridged
 
     def after_load(self) -> None:
         """Scatter the blocks kvdi loaded into scratch into vLLM's cache; remember failed vLLM block ids."""

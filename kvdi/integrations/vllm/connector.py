@@ -24,6 +24,14 @@ backend's capacity.
 Under tensor or pipeline parallelism each worker rank stores and loads its own slice of
 every block under its own key, and the scheduler offers a block only when every rank's
 slice is stored (:mod:`.parallel`).
+
+Asynchronous transfers of the store halves follow vLLM's protocol: ``load_async=True``
+parks a request in ``WAITING_FOR_REMOTE_KVS`` and ``start_load_kv`` runs every step until
+the worker reported each started load in ``get_finished``; held requests (``delay_free``)
+are reported finished sending; vLLM's ``handle_preemptions`` hook gets the step's
+preempted request ids (carried in the metadata envelope) to the worker half before the
+forward pass reuses their blocks; a request vLLM ends while parked is freed once
+(:mod:`.async_loads`).
 """
 
 from __future__ import annotations
@@ -41,9 +49,11 @@ except ImportError as exc:  # only vLLM loads this module; say what to install i
     raise ImportError(f"kvdi.integrations.vllm needs vLLM ({exc}); install it with: pip install 'kvdi[vllm]'") from exc
 
 from kvdi.connectors.base import BlockTransferMetadata, SchedulerConnector, WorkerConnector
-from kvdi.connectors.store import StoreSchedulerConnector, StoreWorkerConnector
+from kvdi.connectors.store import StoreSchedulerConnector
+from kvdi.connectors.store_scheduler import StoreTransferMetadata
 from kvdi.containers import KVTransferContainer
 from kvdi.errors import ConfigError, KvdiError, KVLoadError
+from kvdi.integrations.vllm.async_loads import SchedulerLoads, WorkerLoads
 from kvdi.integrations.vllm.block_index import BlockIndex, store_capacity_blocks
 from kvdi.integrations.vllm.bridge import LayoutBridge
 from kvdi.integrations.vllm.config import STATS_DIR_KEY, kvdi_settings_kwargs, needs_block_index
@@ -52,7 +62,8 @@ from kvdi.integrations.vllm.layout import kvdi_layer_view, layout_from_vllm, ord
 from kvdi.integrations.vllm.parallel import AllRanksStore, KeyLookup
 from kvdi.integrations.vllm.requests import RequestTracker
 from kvdi.integrations.vllm.shared import SHARED
-from kvdi.integrations.vllm.stats import StatsReporter, check_engine_id, write_stats_file
+from kvdi.integrations.vllm.stats import AdapterStats, StatsReporter, check_engine_id, write_stats_file
+from kvdi.registry import import_target
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,6 +103,8 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self.half: SchedulerConnector | WorkerConnector
         try:
             self._index_mode = needs_block_index(container.connector().spec, vllm_config)
+            if self._shape.sliced:
+                self._check_parallel(container)  # before building a half (p2p's would wait for its peer)
             if role == VllmRole.SCHEDULER:
                 if self._index_mode:
                     self._index = self._block_index(container)
@@ -101,8 +114,6 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 self._scheduler = self.half = cast(SchedulerConnector, container.scheduler_connector())
             else:
                 self._worker = self.half = cast(WorkerConnector, container.worker_connector())
-            if self._shape.sliced:
-                self._check_parallel(container)
         except BaseException:
             SHARED.release(self._engine_id)
             raise
@@ -110,12 +121,16 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self._loads_due = self._saves_due = False
         self._stored_keys: list[bytes] = []
         self._dropped_keys: list[bytes] = []
+        self._parked = SchedulerLoads()
+        self._async = WorkerLoads()
         self._tracker = RequestTracker()
         self._layer_names: dict[str, str] = {}
         self._views: dict[str, torch.Tensor] = {}
         self._bridge: LayoutBridge | None = None
         self._num_blocks: int | None = getattr(kv_cache_config, "num_blocks", None)
         self._reporter = StatsReporter(self.half.stats)
+        self.counts = AdapterStats()
+        self._counts_reporter = StatsReporter(self.counts)
         self._closed = False
         logger.info("kvdi %r %s half for engine %s: %s", self.half.name, role.name, self._engine_id, self.layout)
 
@@ -135,7 +150,9 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     def _check_parallel(self, container: KVTransferContainer) -> None:
         """Refuse what cannot store per-rank slices: stores in one worker's memory, non-store connectors."""
         spec = container.connector().spec
-        if self._index_mode or not isinstance(self.half, StoreSchedulerConnector | StoreWorkerConnector):
+        scheduler_class = import_target(spec.scheduler)
+        store_halves = isinstance(scheduler_class, type) and issubclass(scheduler_class, StoreSchedulerConnector)
+        if self._index_mode or not store_halves:
             raise ConfigError(
                 f"kvdi.kv_connector={spec.name!r} does not support tensor_parallel_size="
                 f"{self._shape.tp_size} / pipeline_parallel_size={self._shape.pp_size}: with more than one "
@@ -159,28 +176,37 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvdi can load beyond ``num_computed_tokens`` (vLLM's local prefix-cache hit; 0 for producers)."""
-        n, load_async = self.scheduler_half.get_num_new_matched_tokens(
-            self._tracker.request(request), num_computed_tokens
-        )
+        req = self._tracker.request(request)
+        n, load_async = self.scheduler_half.get_num_new_matched_tokens(req, num_computed_tokens)
+        self._parked.offer(req.request_id, bool(load_async and n))
         return n, bool(load_async and n)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Forward the request's blocks (first KV cache group) and accepted token count to kvdi."""
         ids = blocks.get_block_ids()[0] if blocks is not None else []
-        self.scheduler_half.update_state_after_alloc(self._tracker.request(request), list(ids), num_external_tokens)
+        req = self._tracker.request(request)
+        if self._parked.allocated(req.request_id, num_external_tokens):
+            self.counts.async_load_requests += 1  # vLLM now waits for it in WAITING_FOR_REMOTE_KVS
+        self.scheduler_half.update_state_after_alloc(req, list(ids), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvdiConnectorMetadata:
         """kvdi's metadata for this step, in vLLM's envelope."""
         output = self._tracker.translate(scheduler_output)
-        return KvdiConnectorMetadata(inner=self.scheduler_half.build_connector_meta(output))
+        if self._parked.parked:
+            self._parked.scheduled(s.request.request_id for s in output.scheduled)
+        preempted = tuple(str(r) for r in getattr(scheduler_output, "preempted_req_ids", None) or ())
+        inner = self.scheduler_half.build_connector_meta(output)
+        return KvdiConnectorMetadata(inner=inner, preempted=preempted, unheld=self._parked.take_unheld())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Tell kvdi the request ended; returns kvdi's (delay_free, kv_transfer_params)."""
         req = self._tracker.request(request)
         try:
-            return self.scheduler_half.request_finished(req, list(block_ids))
+            delay_free, params = self.scheduler_half.request_finished(req, list(block_ids))
         finally:
             self._tracker.forget(req.request_id)
+        # Ended while parked for its asynchronous load: vLLM holds the blocks until finished receiving.
+        return self._parked.finished(req.request_id, delay_free), params
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Apply the worker's report of stored and vanished keys to the scheduler's :class:`BlockIndex`."""
@@ -218,12 +244,19 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self._step_meta, self._loads_due, self._saves_due = None, False, False
         if self._worker is None or not isinstance(connector_metadata, KvdiConnectorMetadata):
             return
+        if connector_metadata.unheld:
+            self._async.unheld(connector_metadata.unheld)
         inner = connector_metadata.inner
         if inner is None:
             return
         if isinstance(inner, BlockTransferMetadata):
             self._step_meta = inner
-            self._loads_due, self._saves_due = bool(inner.loads), bool(inner.saves)
+            self._saves_due = bool(inner.saves)
+            if isinstance(inner, StoreTransferMetadata):
+                for t in inner.async_loads:
+                    self._async.started(t.request_id, t.block_ids, t.block_keys)
+            # Async loads start here and finish in a later step's start_load_kv: call it until reported.
+            self._loads_due = bool(inner.loads) or bool(self._async.loading)
         else:  # a connector with its own metadata (p2p): let it see every hook
             self._loads_due = self._saves_due = True
         if isinstance(inner, BlockTransferMetadata) and self._shape.sliced:
@@ -234,6 +267,17 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         super().clear_connector_metadata()
         if self._worker is not None:
             self._worker.clear_connector_metadata()
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Finish the queued transfers of requests vLLM preempted this step, before the forward pass
+        reuses their blocks (vLLM calls this before binding the step's metadata)."""
+        if self._worker is None or not isinstance(kv_connector_metadata, KvdiConnectorMetadata):
+            return
+        preempted = kv_connector_metadata.preempted
+        flush = getattr(self._worker, "handle_preemptions", None)
+        if preempted and callable(flush):
+            flush(preempted)
+            self.counts.preempted_flushed += len(preempted)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Run kvdi's loads for this step into vLLM's paged cache (nothing when the step loads nothing)."""
@@ -270,7 +314,10 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        return self._worker.get_finished(finished_req_ids)
+        sending, recving = self._async.reconcile(*self._worker.get_finished(finished_req_ids))
+        self.counts.finished_sending += len(sending)
+        self.counts.finished_recving += len(recving)
+        return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM block ids whose kvdi load failed (missing, corrupt, foreign); vLLM recomputes or fails them."""
@@ -278,11 +325,13 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             errors = self._bridge.take_errors()
         else:
             errors = self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
-        if errors and self._index_mode and self._step_meta is not None:
+        if errors and self._index_mode:
             # A chain stops loading at its first bad block: the rest of it is gone for the scheduler too.
-            self._dropped_keys.extend(
-                k for t in self._step_meta.loads for b, k in zip(t.block_ids, t.block_keys, strict=True) if b in errors
-            )
+            keys = self._async.block_keys()  # asynchronous loads report their errors in a later step
+            for t in self._step_meta.loads if self._step_meta is not None else ():
+                keys.update(zip(t.block_ids, t.block_keys, strict=True))
+            self._dropped_keys.extend(keys[b] for b in errors if b in keys)
+        self._async.loaded.clear()
         return errors
 
     def build_connector_worker_meta(self) -> KvdiWorkerMetadata | None:
@@ -297,17 +346,18 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
 
     def get_kv_connector_stats(self) -> KvdiConnectorStats | None:
         """kvdi's counters since the last call, keyed by the registered connector name; None when none moved."""
-        delta = self._reporter.delta()
-        if delta is None:
+        delta, extra = self._reporter.delta(), self._counts_reporter.delta()
+        if delta is None and extra is None:
             return None
         if self._stats_dir:
             self._write_stats()
-        return KvdiConnectorStats(data={self.half.name: delta})
+        return KvdiConnectorStats(data={self.half.name: {**(delta or {}), **(extra or {})}})
 
     def _write_stats(self) -> None:
         assert self._stats_dir is not None
         role = self.role.name.lower()
-        write_stats_file(self._stats_dir, self._engine_id, role, self.half.name, self._reporter.as_dict())
+        counters = {**self._reporter.as_dict(), **self._counts_reporter.as_dict()}
+        write_stats_file(self._stats_dir, self._engine_id, role, self.half.name, counters)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvdiConnectorStats:

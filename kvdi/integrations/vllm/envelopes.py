@@ -32,9 +32,17 @@ class KvdiWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc,unused
 
 @dataclass
 class KvdiConnectorMetadata(VllmConnectorMetadata):  # type: ignore[misc,unused-ignore]
-    """vLLM's metadata envelope around kvdi's per-step metadata (pickled to the workers)."""
+    """vLLM's metadata envelope around kvdi's per-step metadata (pickled to the workers).
+
+    ``preempted``: the requests vLLM preempted this step (their blocks are reused by this
+    step's forward pass); the worker flushes their queued transfers in ``handle_preemptions``.
+    ``unheld``: requests vLLM finished while they waited for an asynchronous load
+    (:mod:`.async_loads`).
+    """
 
     inner: KVConnectorMetadata | None = None
+    preempted: tuple[str, ...] = ()
+    unheld: tuple[str, ...] = ()
 
 
 @dataclass

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata
+from kvdi.connectors.store_scheduler import StoreTransferMetadata
 
 
 class KeyLookup(Protocol):
@@ -76,6 +77,10 @@ class RankSlice:
                 BlockTransfer(t.request_id, t.block_ids, tuple(self.key(k) for k in t.block_keys)) for t in transfers
             )
 
+        if isinstance(metadata, StoreTransferMetadata):  # keep the asynchronous parts (loads reported later)
+            return replace(
+                metadata, loads=each(metadata.loads), saves=each(metadata.saves), async_loads=each(metadata.async_loads)
+            )
         return BlockTransferMetadata(each(metadata.loads), each(metadata.saves))
 
 

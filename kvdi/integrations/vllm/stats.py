@@ -36,10 +36,26 @@ def check_engine_id(engine_id: str) -> str:
     return engine_id
 
 
-class StatsReporter:
-    """Deltas of one half's counters since the previous call, built only when a counter moved."""
+@dataclasses.dataclass
+class AdapterStats:
+    """What the vLLM adapter itself counts, beside the half's :class:`ConnectorStats`.
 
-    def __init__(self, stats: ConnectorStats) -> None:
+    Scheduler: ``async_load_requests`` (requests vLLM accepted an asynchronous load for: they
+    wait in ``WAITING_FOR_REMOTE_KVS``). Worker: ``finished_recving`` / ``finished_sending``
+    (requests reported to vLLM through ``get_finished``), ``preempted_flushed`` (preempted
+    requests whose queued transfers were finished before their blocks were reused).
+    """
+
+    async_load_requests: int = 0
+    finished_recving: int = 0
+    finished_sending: int = 0
+    preempted_flushed: int = 0
+
+
+class StatsReporter:
+    """Deltas of one dataclass of counters since the previous call, built only when a counter moved."""
+
+    def __init__(self, stats: ConnectorStats | AdapterStats) -> None:
         self.stats = stats
         self.names = tuple(f.name for f in dataclasses.fields(stats))
         self._read = attrgetter(*self.names)

@@ -1,0 +1,106 @@
+"""Asynchronous loads as vLLM's scheduler sees them: which half reports a request's end, and how (vLLM-free).
+
+vLLM parks a request whose load is asynchronous in ``WAITING_FOR_REMOTE_KVS`` and resumes it
+when the workers report it in ``finished_recving``. If vLLM finishes such a request while it
+still waits (aborted, or failed by ``kv_load_failure_policy="fail"``), vLLM holds its blocks
+itself and frees them on the ``finished_recving`` report; a ``finished_sending`` report for it
+afterwards (or a held free from the connector on top) trips vLLM's bookkeeping. kvdi's worker
+half holds every request with an asynchronous transfer and reports it finished sending when
+it ends, so the adapter reconciles the two:
+
+- scheduler role (:class:`SchedulerLoads`): a request finished before vLLM resumed it is not
+  held by kvdi (``delay_free=False``) and its id goes to the workers in the next metadata
+  (``unheld``);
+- worker role (:class:`WorkerLoads`): for an ``unheld`` request the worker's later
+  finished-sending report is dropped when it was already reported finished receiving, and
+  becomes the finished-receiving report otherwise (its load was still running when it ended).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class SchedulerLoads:
+    """Scheduler role: requests offered or parked for an asynchronous load, and those finished while parked."""
+
+    def __init__(self) -> None:
+        self.offered: set[str] = set()
+        self.parked: set[str] = set()
+        self._unheld: list[str] = []
+
+    def offer(self, request_id: str, load_async: bool) -> None:
+        """The lookup answered ``load_async`` for a non-empty hit (or not)."""
+        if load_async:
+            self.offered.add(request_id)
+        else:
+            self.offered.discard(request_id)
+
+    def allocated(self, request_id: str, num_external_tokens: int) -> bool:
+        """vLLM allocated the request's blocks; True when, with external tokens of an async offer, it now
+        waits in ``WAITING_FOR_REMOTE_KVS``."""
+        parked = request_id in self.offered and num_external_tokens > 0
+        if parked:
+            self.parked.add(request_id)
+        self.offered.discard(request_id)
+        return parked
+
+    def scheduled(self, request_ids: Iterable[str]) -> None:
+        """Requests vLLM scheduled this step: a parked one was resumed, its load is done."""
+        for rid in request_ids:
+            self.parked.discard(rid)
+
+    def finished(self, request_id: str, delay_free: bool) -> bool:
+        """The ``delay_free`` to answer for a finished request (False when it ended while parked)."""
+        self.offered.discard(request_id)
+        if request_id not in self.parked:
+            return delay_free
+        self.parked.discard(request_id)
+        self._unheld.append(request_id)
+        return False
+
+    def take_unheld(self) -> tuple[str, ...]:
+        """Ids finished while parked since the last call, for the workers."""
+        out, self._unheld = tuple(self._unheld), []
+        return out
+
+
+class WorkerLoads:
+    """Worker role: asynchronous loads in flight (block id -> key, for a block index) and the end reports."""
+
+    def __init__(self) -> None:
+        self.loading: dict[str, dict[int, bytes]] = {}
+        self.loaded: dict[str, dict[int, bytes]] = {}  # reported this step: their load errors come next
+        self._received: set[str] = set()  # reported finished receiving, not yet finished
+        self._unheld: set[str] = set()
+
+    def started(self, request_id: str, block_ids: Iterable[int], block_keys: Iterable[bytes]) -> None:
+        self.loading[request_id] = dict(zip(block_ids, block_keys, strict=True))
+
+    def unheld(self, request_ids: Iterable[str]) -> None:
+        self._unheld.update(request_ids)
+
+    def reconcile(self, sending: set[str] | None, recving: set[str] | None) -> tuple[set[str], set[str]]:
+        """The worker half's (finished sending, finished receiving) as vLLM must see them."""
+        send, recv = set(sending or ()), set(recving or ())
+        for rid in recv:
+            self._received.add(rid)
+        for rid in send & self._unheld:
+            send.discard(rid)
+            self._unheld.discard(rid)
+            if rid in self._received:
+                self._received.discard(rid)  # vLLM freed it on that report
+            else:
+                recv.add(rid)  # its load ended after vLLM finished it: this is the report vLLM waits for
+        self._received -= send
+        for rid in send | recv:
+            if rid in self.loading:
+                self.loaded[rid] = self.loading.pop(rid)
+        return send, recv
+
+    def block_keys(self) -> dict[int, bytes]:
+        """Block id -> key of every asynchronous load in flight or reported this step."""
+        keys: dict[int, bytes] = {}
+        for blocks in (*self.loading.values(), *self.loaded.values()):
+            keys.update(blocks)
+        return keys
