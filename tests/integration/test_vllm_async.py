@@ -73,9 +73,7 @@ def stored(tmp_path_factory: pytest.TempPathFactory, base_spec: dict[str, Any]) 
 
 def consumer(stored: dict[str, Any], name: str, base_spec: dict[str, Any], store: Path, **spec: Any) -> Any:
     stats = stored["work"] / f"stats-{name}"
-    kv = kv_config(
-        "shared_storage", stats_dir=stats, shared_storage__path=str(store), transfer__async_load="on"
-    )
+    kv = kv_config("shared_storage", stats_dir=stats, shared_storage__path=str(store), transfer__async_load="on")
     kv.update(spec.pop("kv", {}))
     run = {**base_spec, "kv": kv, "drain": True, **spec}
     return run_engine(stored["work"], name, run, env=IN_PROCESS), stats
@@ -122,9 +120,7 @@ def test_async_load_failure_under_fail_policy_fails_only_that_request(
     served with identical tokens, and the engine keeps serving: round 2 answers every prompt."""
     store = corrupt_copy(stored, "store-fail", prompts[0])
 
-    result, stats = consumer(
-        stored, "async-fail", base_spec, store, rounds=2, kv={"kv_load_failure_policy": "fail"}
-    )
+    result, stats = consumer(stored, "async-fail", base_spec, store, rounds=2, kv={"kv_load_failure_policy": "fail"})
 
     first, second = result["rounds"]
     assert first["finish_reasons"][0] == "error"
