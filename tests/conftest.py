@@ -4,15 +4,36 @@
 import os as _os
 from collections.abc import Callable as _Callable
 from collections.abc import Iterator as _Iterator
+from typing import Any as _Any
 
 import pytest as _pytest
 import torch as _torch
 
+from kvdi.containers import EngineContainer as _EngineContainer
+from kvdi.containers import build_engine_container as _build_engine_container
 from kvdi.testing.redis_server import INSTALL_HINT as _REDIS_HINT
 from kvdi.testing.redis_server import RedisServer as _RedisServer
 from kvdi.testing.redis_server import find_redis_server as _find_redis_server
 
 pytest_plugins = ["pytester"]
+
+
+@_pytest.fixture
+def engine_containers() -> _Iterator[_Callable[..., _EngineContainer]]:
+    """``make(**settings)`` builds an EngineContainer; after the test each started engine is shut down
+    (its background transfers end) and each container's resources are freed."""
+    made: list[_EngineContainer] = []
+
+    def make(**settings: _Any) -> _EngineContainer:
+        container = _build_engine_container(**settings)
+        made.append(container)
+        return container
+
+    yield make
+    for container in made:
+        if container.engine.initialized:
+            container.engine().shutdown()
+        container.shutdown_resources()
 
 
 @_pytest.fixture(autouse=True)

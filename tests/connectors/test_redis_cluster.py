@@ -20,7 +20,7 @@ from kvdi.connectors.framing import frame_header  # noqa: E402
 from kvdi.connectors.keys import block_keys  # noqa: E402
 from kvdi.connectors.redis import BreakerState, RedisBlockStore, RedisClusterBlockStore, open_store  # noqa: E402
 from kvdi.connectors.redis.wire import BAD_OBJECT  # noqa: E402
-from kvdi.containers import EngineContainer, build_engine_container  # noqa: E402
+from kvdi.containers import EngineContainer  # noqa: E402
 from kvdi.errors import ConfigError  # noqa: E402
 from kvdi.layout import KVCacheSpec  # noqa: E402
 from kvdi.settings import RedisSettings, load_settings  # noqa: E402
@@ -264,19 +264,12 @@ def _wait_replicated(on: RedisClusterServers) -> None:
 
 
 @pytest.fixture
-def engines() -> Iterator[Callable[..., EngineContainer]]:
-    made: list[EngineContainer] = []
-
+def engines(engine_containers: Callable[..., EngineContainer]) -> Callable[..., EngineContainer]:
     def make(url: str, **extra: Any) -> EngineContainer:
         redis_options = {"url": url, "cluster": True, **FAST, "breaker_failures": 2}
-        container = build_engine_container(allocator={"device": "cpu", "num_blocks": 32}, redis=redis_options, **extra)
-        made.append(container)
-        return container
+        return engine_containers(allocator={"device": "cpu", "num_blocks": 32}, redis=redis_options, **extra)
 
-    yield make
-    for container in made:
-        container.engine().shutdown()
-        container.shutdown_resources()
+    return make
 
 
 def tokens(outputs: list[Any]) -> list[tuple[int, ...]]:

@@ -21,7 +21,7 @@ from kvdi.connectors.base import (  # noqa: E402
 )
 from kvdi.connectors.keys import block_keys  # noqa: E402
 from kvdi.connectors.redis import BreakerState, RedisBlockStore  # noqa: E402
-from kvdi.containers import EngineContainer, KVTransferContainer, build_engine_container, build_kv_container  # noqa: E402
+from kvdi.containers import EngineContainer, KVTransferContainer, build_kv_container  # noqa: E402
 from kvdi.layout import KVCacheSpec  # noqa: E402
 from kvdi.testing import override_connector  # noqa: E402
 from kvdi.testing.recording import RecordingSchedulerConnector  # noqa: E402
@@ -58,19 +58,15 @@ def kv_containers(redis_server: RedisServer) -> Iterator[Callable[..., KVTransfe
 
 
 @pytest.fixture
-def engines(redis_server: RedisServer) -> Iterator[Callable[..., EngineContainer]]:
+def engines(
+    redis_server: RedisServer, engine_containers: Callable[..., EngineContainer]
+) -> Callable[..., EngineContainer]:
     """``make(kv_connector=..., kv_role=...)``: an EngineContainer on the test's server; shut down after the test."""
-    made: list[EngineContainer] = []
 
     def make(**extra: Any) -> EngineContainer:
-        container = build_engine_container(**overrides(redis_server.url, **extra))
-        made.append(container)
-        return container
+        return engine_containers(**overrides(redis_server.url, **extra))
 
-    yield make
-    for container in made:
-        container.engine().shutdown()
-        container.shutdown_resources()
+    return make
 
 
 def random_caches(layout: KVCacheSpec, seed: int | None) -> dict[str, torch.Tensor]:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvdi.containers import EngineContainer, build_engine_container
+from kvdi.containers import EngineContainer
 from tests.helpers.engine import small_settings
 
 
@@ -19,18 +19,13 @@ def store_connector(tmp_path: Path) -> dict[str, Any]:
 
 
 @pytest.fixture
-def make_container(kvdi_env: Path) -> Iterator[Callable[..., EngineContainer]]:
+def make_container(kvdi_env: Path, engine_containers: Callable[..., EngineContainer]) -> Callable[..., EngineContainer]:
     """``make(**settings)`` builds an engine container on a small CPU model; all are shut down after the test.
 
     Runs in kvdi's isolated environment (no ``KVDI_*`` env from outside, a temp working directory).
     """
-    built: list[EngineContainer] = []
 
     def make(**overrides: Any) -> EngineContainer:
-        container = build_engine_container(**small_settings(**overrides))
-        built.append(container)
-        return container
+        return engine_containers(**small_settings(**overrides))
 
-    yield make
-    for container in built:
-        container.shutdown_resources()
+    return make

@@ -10,7 +10,7 @@ keep running while a load is in flight.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,29 +18,14 @@ import pytest
 
 from kvdi.connectors.keys import block_keys
 from kvdi.connectors.shared_storage import FileBlockStore
-from kvdi.containers import EngineContainer, build_engine_container
+from kvdi.containers import EngineContainer
 from kvdi.engine.engine import LLMEngine
 from kvdi.engine.scheduler import Request, RequestStatus
 from kvdi.testing.redis_server import RedisServer
-from tests.helpers.engine import BLOCK_SIZE, small_settings
+from tests.helpers.engine import BLOCK_SIZE
 
 PROMPTS = [[(5 * i + 3 * j) % 256 for j in range(13 + 6 * i)] for i in range(4)]
 NEW_TOKENS = 4
-
-
-@pytest.fixture
-def containers() -> Iterator[Callable[..., EngineContainer]]:
-    made: list[EngineContainer] = []
-
-    def make(**overrides: Any) -> EngineContainer:
-        container = build_engine_container(**small_settings(**overrides))
-        made.append(container)
-        return container
-
-    yield make
-    for container in made:
-        container.engine().shutdown()
-        container.shutdown_resources()
 
 
 @pytest.fixture
@@ -80,15 +65,15 @@ def flip_last_byte(store: FileBlockStore, prompt: Sequence[int], block: int, con
 
 @pytest.mark.parametrize("backend", ["shared_storage", pytest.param("redis", marks=pytest.mark.redis)])
 def test_async_loads_generate_the_null_connector_tokens(
-    backend: str, containers: Callable[..., EngineContainer], request: pytest.FixtureRequest, tmp_path: Path
+    backend: str, make_container: Callable[..., EngineContainer], request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     if backend == "redis":
         server: RedisServer = request.getfixturevalue("redis_server")
         store: dict[str, Any] = {"kv_connector": "redis", "redis": {"url": server.url}}
     else:
         store = {"kv_connector": "shared_storage", "shared_storage": {"path": str(tmp_path / "store")}}
-    expected = containers().engine().generate(PROMPTS, NEW_TOKENS)
-    _, engine = stored_then_consumer(containers, store)
+    expected = make_container().engine().generate(PROMPTS, NEW_TOKENS)
+    _, engine = stored_then_consumer(make_container, store)
     received = received_by(engine)
     outs = engine.generate(PROMPTS, NEW_TOKENS)
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in expected]
@@ -99,10 +84,10 @@ def test_async_loads_generate_the_null_connector_tokens(
 
 
 def test_a_corrupt_object_under_async_load_is_recomputed(
-    containers: Callable[..., EngineContainer], shared_storage: dict[str, Any]
+    make_container: Callable[..., EngineContainer], shared_storage: dict[str, Any]
 ) -> None:
-    expected = containers().engine().generate(PROMPTS, NEW_TOKENS)
-    container, engine = stored_then_consumer(containers, shared_storage)
+    expected = make_container().engine().generate(PROMPTS, NEW_TOKENS)
+    container, engine = stored_then_consumer(make_container, shared_storage)
     flip_last_byte(container.kv.backend(), PROMPTS[3], 2, container)
     outs = engine.generate(PROMPTS, NEW_TOKENS)
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in expected]
@@ -112,10 +97,10 @@ def test_a_corrupt_object_under_async_load_is_recomputed(
 
 
 def test_under_fail_a_corrupt_object_fails_only_its_request(
-    containers: Callable[..., EngineContainer], shared_storage: dict[str, Any]
+    make_container: Callable[..., EngineContainer], shared_storage: dict[str, Any]
 ) -> None:
-    expected = containers().engine().generate(PROMPTS, NEW_TOKENS)
-    container, engine = stored_then_consumer(containers, shared_storage, kv_load_failure_policy="fail")
+    expected = make_container().engine().generate(PROMPTS, NEW_TOKENS)
+    container, engine = stored_then_consumer(make_container, shared_storage, kv_load_failure_policy="fail")
     flip_last_byte(container.kv.backend(), PROMPTS[1], 0, container)
     outs = engine.generate(PROMPTS, NEW_TOKENS)
     assert outs[1].error is not None and "kv_load_failure_policy=fail" in outs[1].error
@@ -126,10 +111,10 @@ def test_under_fail_a_corrupt_object_fails_only_its_request(
 
 
 def test_other_requests_run_while_a_load_is_in_flight(
-    containers: Callable[..., EngineContainer], shared_storage: dict[str, Any]
+    make_container: Callable[..., EngineContainer], shared_storage: dict[str, Any]
 ) -> None:
-    expected = containers().engine().generate(PROMPTS, NEW_TOKENS)
-    container, engine = stored_then_consumer(containers, shared_storage)
+    expected = make_container().engine().generate(PROMPTS, NEW_TOKENS)
+    container, engine = stored_then_consumer(make_container, shared_storage)
     store = container.kv.backend()
     gate, entered = threading.Event(), threading.Event()
     inner = store.get_into_many

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +21,11 @@ import torch
 from kvdi.connectors.framing import unframe
 from kvdi.connectors.keys import block_keys
 from kvdi.connectors.store import BlockStore
-from kvdi.containers import EngineContainer, build_engine_container
+from kvdi.containers import EngineContainer
 from kvdi.engine.engine import LLMEngine
 from kvdi.engine.model import SequenceChunk
 from kvdi.testing.redis_server import RedisServer
-from tests.helpers.engine import BLOCK_SIZE, small_settings
+from tests.helpers.engine import BLOCK_SIZE
 
 NUM_BLOCKS = 12  # one long request and a short one at a time: blocks are reused every few steps
 PROMPTS = [[random.Random(i).randrange(256) for _ in range(9 + (7 * i) % 22)] for i in range(24)]
@@ -47,21 +47,6 @@ def slow_writes(store: object, delay_s: float) -> None:
 def tiers(store: object) -> list[BlockStore]:
     """The stores to check: every tier of a ``multi`` store, else the store itself."""
     return [s for _, s in getattr(store, "tiers", [])] or [store]  # type: ignore[list-item]
-
-
-@pytest.fixture
-def containers() -> Iterator[Callable[..., EngineContainer]]:
-    made: list[EngineContainer] = []
-
-    def make(**overrides: Any) -> EngineContainer:
-        container = build_engine_container(**small_settings(**overrides))
-        made.append(container)
-        return container
-
-    yield make
-    for container in made:
-        container.engine().shutdown()
-        container.shutdown_resources()
 
 
 def connector_settings(name: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
@@ -90,11 +75,11 @@ def reference_blocks(container: EngineContainer, prompt: Sequence[int]) -> list[
     ],
 )
 def test_every_object_stored_under_block_reuse_matches_a_recompute(
-    name: str, tmp_path: Path, request: pytest.FixtureRequest, containers: Callable[..., EngineContainer]
+    name: str, tmp_path: Path, request: pytest.FixtureRequest, make_container: Callable[..., EngineContainer]
 ) -> None:
     settings = connector_settings(name, tmp_path, request)
     alloc = {"device": "cpu", "block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS}
-    producer = containers(allocator=alloc, transfer={"async_save": True, "async_load": "on"}, **settings)
+    producer = make_container(allocator=alloc, transfer={"async_save": True, "async_load": "on"}, **settings)
     store = producer.kv.backend()
     slow_writes(store, WRITE_DELAY_S)
     engine: LLMEngine = producer.engine()
@@ -106,7 +91,9 @@ def test_every_object_stored_under_block_reuse_matches_a_recompute(
         len(p) // BLOCK_SIZE for p in {tuple(p) for p in PROMPTS}
     )
 
-    reference = containers(kv_connector="null", allocator={"device": "cpu", "block_size": BLOCK_SIZE, "num_blocks": 16})
+    reference = make_container(
+        kv_connector="null", allocator={"device": "cpu", "block_size": BLOCK_SIZE, "num_blocks": 16}
+    )
     layout = producer.kv.layout()
     fingerprint, checked = layout.fingerprint(), 0
     for prompt in PROMPTS:
