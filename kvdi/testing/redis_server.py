@@ -157,7 +157,9 @@ class RedisServer:
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
-        shown = self.url.replace(f":{self.password}@", ":***@") if self.password else self.url
+        from kvdi.masking import mask_url
+
+        shown = mask_url(self.url)
         return f"RedisServer({shown}, {state})"
 
     def _command(self) -> list[str]:
