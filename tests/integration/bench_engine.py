@@ -12,7 +12,8 @@ SPEC holds ``model``, ``block_size``, ``max_model_len``, ``max_num_batched_token
   requests are added and stepped until each has its first token, then one arrival is added
   every ``k`` steps while the running requests decode.
 
-``reset`` drops vLLM's own prefix cache first (the connector keeps its store), so the phase's
+A phase running past ``phase_timeout_s`` (default 300) dumps all threads' stacks into the
+log and exits non-zero. ``reset`` drops vLLM's own prefix cache first (the connector keeps its store), so the phase's
 prompts come from the connector instead of vLLM's local hits. Times are ``time.perf_counter``
 read right after each ``LLMEngine.step()`` (engine core in-process, so a step's forward pass
 and the connector's work in it are inside the step).
@@ -24,6 +25,7 @@ inter-token gaps from the first arrival until the last arrival finished) and ``a
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import json
 import os
@@ -154,8 +156,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     driver = Driver(llm.llm_engine, lambda p: TokensPrompt(prompt_token_ids=list(p)), params)
     for phase in spec["phases"]:
+        # A phase that never ends (a load that never completes) dumps every thread's stack and exits.
+        print(f"[bench_engine] phase {phase['name']}", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback_later(spec.get("phase_timeout_s", 300), exit=True)
         reset_ok = reset_prefix_cache(llm, driver) if phase.get("reset") else None
         out = run_round(driver, phase) if phase["kind"] == "round" else run_mix(driver, phase)
+        faulthandler.cancel_dump_traceback_later()
         result["phases"].append({"name": phase["name"], "reset_ok": reset_ok, **out})
     del llm  # lets the connector shut down and write its final stats file
     return result

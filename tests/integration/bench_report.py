@@ -119,7 +119,17 @@ def ratio_rows(engines: dict[str, list[Engine]], process_local: set[str]) -> lis
             {"what": what, "config": cfg, "ratio": r, "target": target, "met": verdict(r, target), "note": note}
         )
 
-    stores = ("kvdi-shared_storage", "kvdi-cpu_offload", "kvdi-redis")
+    stores = tuple(
+        c
+        for c in (
+            "kvdi-shared_storage",
+            "kvdi-cpu_offload",
+            "kvdi-redis",
+            "kvdi-redis-syncload",
+            "kvdi-shared_storage-syncsave",
+            "kvdi-shared_storage-asyncload",
+        )
+    )
     for pc in ("on", "off"):
 
         def runs(name: str, pc: str = pc) -> list[Engine]:

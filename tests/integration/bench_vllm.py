@@ -55,8 +55,14 @@ from vllm_support import IN_PROCESS, VOCAB, kv_config, make_prompts, make_tiny_l
 BENCH_ENGINE = Path(__file__).resolve().parent / "bench_engine.py"
 ENV = {**IN_PROCESS, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 CONNECTORS = ("no-connector", "kvdi-null", "vllm-example", "kvdi-shared_storage", "kvdi-cpu_offload", "kvdi-redis")
-# Not in the default run: kvdi's shared_storage with synchronous saves, to tell the save path's cost apart.
-EXTRA = ("kvdi-shared_storage-syncsave",)
+# Variants, not in the default run: ``-syncsave`` (KVDI_TRANSFER__ASYNC_SAVE=false) and ``-syncload``
+# (KVDI_TRANSFER__ASYNC_LOAD=off), to tell the asynchronous paths' share apart.
+EXTRA = ("kvdi-shared_storage-syncsave", "kvdi-redis-syncload", "kvdi-shared_storage-asyncload")
+VARIANTS = {
+    "-syncsave": {"transfer__async_save": False},
+    "-syncload": {"transfer__async_load": "off"},
+    "-asyncload": {"transfer__async_load": "on"},
+}
 PROCESS_LOCAL = {"kvdi-cpu_offload"}  # its store lives in the engine's process: no second engine can load it
 
 
@@ -71,12 +77,15 @@ def kv_for(name: str, pc: str, work: Path, redis_url: str, stats: Path) -> dict[
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"shared_storage_path": str(store)},
         }
-    connector = name.removeprefix("kvdi-").removesuffix("-syncsave")
-    extra: dict[str, Any] = {"transfer__async_save": False} if name.endswith("-syncsave") else {}
+    connector = name.removeprefix("kvdi-")
+    extra: dict[str, Any] = {}
+    for suffix, settings in VARIANTS.items():
+        if connector.endswith(suffix):
+            connector, extra = connector.removesuffix(suffix), dict(settings)
     if connector == "shared_storage":
         extra["shared_storage__path"] = str(store)
     elif connector == "redis":
-        extra.update(redis__url=redis_url, redis__key_prefix=f"bench-pc-{pc}:")
+        extra.update(redis__url=redis_url, redis__key_prefix=f"bench-{name}-pc-{pc}:")
     return kv_config(connector, stats_dir=stats, **extra)
 
 
@@ -127,7 +136,7 @@ def phases(args: argparse.Namespace, sets: dict[str, Any], r: int) -> list[dict[
 
 
 def run_engine(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Run ``bench_engine.py`` with ``spec`` in a fresh interpreter; raise with the log tail when it fails."""
+    """Run ``bench_engine.py`` with ``spec`` in a fresh interpreter; ``{"failed": ...}`` with the log tail if it fails."""
     spec = {**spec, "out": str(work / f"{name}.out.json")}
     spec_path = work / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -138,11 +147,13 @@ def run_engine(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
             stdout=fh,
             stderr=subprocess.STDOUT,
             env={**os.environ, **ENV},
-            timeout=900,
+            timeout=1800,
             check=False,
         ).returncode
     if rc != 0 or not Path(spec["out"]).exists():
-        raise RuntimeError(f"engine {name!r} failed (rc={rc}); log {log}:\n{log.read_text(errors='replace')[-6000:]}")
+        text = log.read_text(errors="replace")
+        phase = [line for line in text.splitlines() if line.startswith("[bench_engine] phase")][-1:]
+        return {"failed": f"rc={rc}, during {phase}", "log": str(log), "log_tail": text[-4000:]}
     result: dict[str, Any] = json.loads(Path(spec["out"]).read_text())
     return result
 
@@ -174,6 +185,7 @@ def bench(args: argparse.Namespace, work: Path, redis_url: str) -> dict[str, Any
     engines: dict[str, list[dict[str, Any]]] = {f"{c}/pc-{pc}": [] for c, pc in configs}
     specs: dict[str, dict[str, Any]] = {}
     loads: list[float] = []
+    failures: list[dict[str, Any]] = []
     started = time.time()
     done = 0
     for r in range(args.repeats):
@@ -193,12 +205,17 @@ def bench(args: argparse.Namespace, work: Path, redis_url: str) -> dict[str, Any
                 "max_model_len": args.tokens + 64 + args.block_size,
                 "max_num_batched_tokens": args.prompts * args.tokens + args.block_size,
                 "kv": kv_for(c, pc, work, redis_url, stats),
+                "phase_timeout_s": args.phase_timeout,
                 "phases": phases(args, sets, r),
             }
             specs[f"{key}#{r}"] = spec
             t0 = time.perf_counter()
             res = run_engine(work, f"{c}-pc-{pc}-{r}", spec)
             loads.append(os.getloadavg()[0])
+            if "failed" in res:
+                failures.append({"engine": f"{key}#{r}", **res})
+                print(f"[bench] repeat {r} {key}: FAILED {res['failed']} (log {res['log']})", file=sys.stderr)
+                continue
             entry = {"repeat": r, "init_s": res["init_s"], "engine_s": time.perf_counter() - t0}
             entry["phases"] = {p["name"]: p for p in res["phases"]}
             entry["resets_ok"] = all(p["reset_ok"] is not False for p in res["phases"])
@@ -246,6 +263,7 @@ def bench(args: argparse.Namespace, work: Path, redis_url: str) -> dict[str, Any
         },
         "ratios": ratio_rows(engines, PROCESS_LOCAL),
         "figures": figures(engines, names),
+        "failures": failures,
         "tokens_identical": mismatches == 0,
         "token_mismatches": mismatches,
         "engines": engines,
@@ -274,6 +292,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--phase-timeout", type=float, default=120.0, help="an engine stuck this long in one phase fails")
     p.add_argument("--max-minutes", type=float, default=40.0, help="start no repeat that would end past this")
     p.add_argument("--work", type=Path, default=None, help="keep engines' specs, logs and stores here")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
@@ -306,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {doc['setup']['load_average_1min_after_each_engine']}",
         file=sys.stderr,
     )
-    return 0 if doc["tokens_identical"] else 1
+    for f in doc["failures"]:
+        print(f"FAILED engine {f['engine']}: {f['failed']} (log {f['log']})", file=sys.stderr)
+    return 0 if doc["tokens_identical"] and not doc["failures"] else 1
 
 
 if __name__ == "__main__":
