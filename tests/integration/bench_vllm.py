@@ -58,7 +58,7 @@ CONNECTORS = ("no-connector", "kvdi-null", "vllm-example", "kvdi-shared_storage"
 # Variants, not in the default run: ``-syncsave`` (KVDI_TRANSFER__ASYNC_SAVE=false) and ``-syncload``
 # (KVDI_TRANSFER__ASYNC_LOAD=off), to tell the asynchronous paths' share apart.
 EXTRA = ("kvdi-shared_storage-syncsave", "kvdi-redis-syncload", "kvdi-shared_storage-asyncload")
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "-syncsave": {"transfer__async_save": False},
     "-syncload": {"transfer__async_load": "off"},
     "-asyncload": {"transfer__async_load": "on"},
