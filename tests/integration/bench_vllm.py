@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(doc, indent=1)
     print(text)
     if args.out:
-        args.out.write_text(text + "\n")
+        args.out.write_text(json.dumps(doc, separators=(",", ":")) + "\n")  # compact: it may be committed
     print(table(doc), file=sys.stderr)
     print("\n" + markdown(doc), file=sys.stderr)
     print(
