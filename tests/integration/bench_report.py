@@ -264,14 +264,43 @@ def table(doc: dict[str, Any]) -> str:
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    """The README rows: every ratio that has a target, as a Markdown table (median [min-max], met or not)."""
-    lines = [
-        "| ratio (paired per repeat) | configuration | median [min-max] | n | target | met |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
+    """The README table: one row per target ratio and prefix-caching setting, one column per configuration.
+
+    A cell is the median of the paired ratios with its [min-max]; ``(no)`` marks a missed target.
+    """
+    configs: list[str] = []
+    rows: dict[tuple[str, str, str], dict[str, str]] = {}
     for row in doc["ratios"]:
-        if row["target"]:
-            r = row["ratio"]
-            met = f"**{row['met']}**" if row["met"] == "no" else row["met"]
-            lines.append(f"| {row['what']} | {row['config']} | {fmt(r)} | {r['n']} | {row['target']} | {met} |")
+        if not row["target"]:
+            continue
+        cfg, _, pc = row["config"].rpartition("/")
+        if cfg not in configs:
+            configs.append(cfg)
+        r = row["ratio"]
+        cell = "n/a" if r["median"] is None else f"{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]"
+        rows.setdefault((row["what"], pc, row["target"]), {})[cfg] = cell + (" (no)" if row["met"] == "no" else "")
+    head = ["ratio", "prefix cache", "target", *configs]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for (what, pc, target), cells in rows.items():
+        lines.append(
+            f"| {what} | {pc.removeprefix('pc-')} | {target} | " + " | ".join(cells.get(c, "") for c in configs) + " |"
+        )
     return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """``python bench_report.py RESULT.json``: the tables again from a saved document."""
+    import json
+
+    with open(argv[1], encoding="utf-8") as fh:
+        doc = json.load(fh)
+    print(table(doc))
+    print()
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv))
