@@ -110,8 +110,8 @@ def test_blocks_saved_by_one_container_load_bytewise_in_another(
 def test_scheduler_half_offers_the_saved_prefix(kv_containers: Callable[..., KVTransferContainer]) -> None:
     _, keys = saved_prompt(kv_containers)
     scheduler = kv_containers(kv_role="kv_consumer").scheduler_connector()
-    # Redis reads cross the network: with KVDI_TRANSFER__ASYNC_LOAD=auto they load in the background.
-    assert scheduler.get_num_new_matched_tokens(KVRequest("c", tuple(PROMPT)), 0) == (16 * len(keys), True)
+    # KVDI_TRANSFER__ASYNC_LOAD=auto loads Redis synchronously (measured faster inside vLLM, see the README).
+    assert scheduler.get_num_new_matched_tokens(KVRequest("c", tuple(PROMPT)), 0) == (16 * len(keys), False)
 
 
 def test_corrupt_object_is_a_counted_miss_and_deleted(

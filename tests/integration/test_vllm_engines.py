@@ -173,15 +173,21 @@ def test_redis_across_two_engines(
     results, stats = [], []
     for name in ("redis-producer", "redis-consumer"):
         stats.append(tmp_path / f"stats-{name}")
-        kv = kv_config("redis", stats_dir=stats[-1], redis__url=server.url, redis__key_prefix="kvdi-it:")
+        kv = kv_config(
+            "redis",
+            stats_dir=stats[-1],
+            redis__url=server.url,
+            redis__key_prefix="kvdi-it:",
+            transfer__async_load="on",  # auto loads Redis synchronously; this test drives vLLM's async path
+        )
         results.append(run_engine(tmp_path, name, {**base_spec, "kv": kv}, env=IN_PROCESS))
 
     assert [r["rounds"][0]["tokens"] for r in results] == [baseline_tokens, baseline_tokens]
     assert read_stats(stats[0], "worker")["saved_blocks"] == expected_saved(prompts)
     consumer = read_stats(stats[1], "worker")
     assert consumer["loaded_blocks"] == expected_blocks(prompts)
-    # Redis loads asynchronously by default (transfer.async_load=auto): every prompt with a hit waited in
-    # vLLM's WAITING_FOR_REMOTE_KVS until the worker reported it finished receiving.
+    # With transfer.async_load=on every prompt with a hit waited in vLLM's WAITING_FOR_REMOTE_KVS until the
+    # worker reported it finished receiving.
     with_hits = sum(1 for p in prompts if expected_blocks([p]))
     assert read_stats(stats[1], "scheduler")["async_load_requests"] == with_hits
     assert consumer["finished_recving"] == with_hits
