@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import faulthandler
 import itertools
-import json
 import os
 import sys
 import time
@@ -167,16 +166,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str]) -> int:
-    with open(argv[1], encoding="utf-8") as fh:
-        spec = json.load(fh)
-    result = run(spec)
-    tmp = spec["out"] + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(result, fh)
-    os.replace(tmp, spec["out"])
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    from vllm_support import spec_main
+
+    sys.exit(spec_main(sys.argv, run))

@@ -18,7 +18,6 @@ It is a script, not a test: vLLM spawns processes, so everything runs under the
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -94,16 +93,7 @@ def drain(llm: Any, max_steps: int = 1000) -> dict[str, int]:
     }
 
 
-def main(argv: list[str]) -> int:
-    with open(argv[1], encoding="utf-8") as fh:
-        spec = json.load(fh)
-    result = run(spec)
-    tmp = spec["out"] + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(result, fh)
-    os.replace(tmp, spec["out"])
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    from vllm_support import spec_main
+
+    sys.exit(spec_main(sys.argv, run))

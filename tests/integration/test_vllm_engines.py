@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from vllm_support import (
     IN_PROCESS,
+    block_file,
     expected_blocks,
     expected_saved,
     files_under,
@@ -27,18 +28,6 @@ from vllm_support import (
 require_vllm()
 
 pytestmark = pytest.mark.slow
-
-
-def block_file(store: Path, prompt: list[int], index: int) -> Path:
-    """The file holding block ``index`` of ``prompt`` (keys chained from the layout fingerprint in any header)."""
-    from vllm_support import BLOCK_SIZE
-
-    from kvdi.connectors.keys import chain_keys, chain_seed
-
-    any_object = next(p for p in store.rglob("*") if p.is_file() and not p.name.startswith("."))
-    fingerprint = any_object.read_bytes()[8:24]
-    key = chain_keys(prompt, BLOCK_SIZE, chain_seed(fingerprint, None))[index].hex()
-    return store / key[:2] / key
 
 
 @pytest.fixture(scope="module")

@@ -124,6 +124,30 @@ def run_engine(work: Path, name: str, spec: dict[str, Any], env: dict[str, str] 
     return result
 
 
+def block_file(store: Path, prompt: list[int], index: int) -> Path:
+    """The shared_storage file holding block ``index`` of ``prompt`` (keys chained from the layout fingerprint
+    found in any stored header)."""
+    from kvdi.connectors.keys import chain_keys, chain_seed
+
+    any_object = next(p for p in store.rglob("*") if p.is_file() and not p.name.startswith("."))
+    fingerprint = any_object.read_bytes()[8:24]
+    key = chain_keys(prompt, BLOCK_SIZE, chain_seed(fingerprint, None))[index].hex()
+    return store / key[:2] / key
+
+
+def spec_main(argv: list[str], run: Any) -> int:
+    """Entry point of an engine script: read the JSON spec ``argv[1]``, ``run`` it, write the result atomically
+    to the spec's ``out`` path."""
+    with open(argv[1], encoding="utf-8") as fh:
+        spec = json.load(fh)
+    result = run(spec)
+    tmp = spec["out"] + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(result, fh)
+    os.replace(tmp, spec["out"])
+    return 0
+
+
 def read_stats(stats_dir: Path, role: str) -> dict[str, float]:
     """Sum of the cumulative kvdi counters the engines' ``role`` halves wrote to ``stats_dir``."""
     total: dict[str, float] = {}
