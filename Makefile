@@ -18,12 +18,12 @@ demo: $(STAMP)
 	$(BIN)/kvdi demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvdi tests containers
-	$(BIN)/ruff format --check kvdi tests containers
+	$(BIN)/ruff check kvdi tests containers benchmarks
+	$(BIN)/ruff format --check kvdi tests containers benchmarks
 	$(BIN)/mypy
 
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest -q --ignore=tests/integration
+	$(BIN)/python -m pytest -q --ignore=tests/real_vllm
 
 test-vllm:
 	bash .ci/vllm-tests.sh

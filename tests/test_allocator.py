@@ -1,6 +1,6 @@
 """GpuBufferAllocator: plan without allocating, allocate on the resolved device, staging, free, clear errors.
 
-The CUDA side (caches on a GPU, pinned staging) is in tests/cuda/."""
+The CUDA side (caches on a GPU, pinned staging) is in tests/test_cuda.py."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import torch
 
 from kvdi.allocator import GpuBufferAllocator
 from kvdi.connectors.base import KVRequest, ScheduledRequest, SchedulerOutput
-from kvdi.connectors.blockio import CacheIO
+from kvdi.connectors.store.blockio import CacheIO
 from kvdi.containers import build_engine_container, build_kv_container
 from kvdi.layout import KVCacheSpec
 from kvdi.settings import AllocatorSettings

@@ -10,7 +10,7 @@ import pytest
 
 import kvdi
 from kvdi import layout
-from kvdi.connectors.framing import frame_header
+from kvdi.connectors.store.framing import frame_header
 from kvdi.layout import FORMAT_VERSION, KVCacheSpec
 
 FIELDS = dict(model_id="m", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")

@@ -153,7 +153,7 @@ def check_fetched(ref_engine: Any, prompts: Sequence[Sequence[int]], fetched: di
     """Compare each fetched block with the KV a connector-free engine computes for its prefix alone."""
     import torch
 
-    from kvdi.connectors.keys import block_keys
+    from kvdi.connectors.store.keys import block_keys
     from kvdi.engine.model import SequenceChunk
 
     if not fetched:

@@ -36,8 +36,8 @@ MODEL: dict[str, Any] = {
 
 
 def block_costs(tmp: Path, n: int = 200) -> dict[str, float]:
-    from kvdi.connectors.framing import frame_header
     from kvdi.connectors.shared_storage import FileBlockStore
+    from kvdi.connectors.store.framing import frame_header
     from kvdi.layout import KVCacheSpec
 
     layout = KVCacheSpec("b", 8, 8, 64, 16, "float32")

@@ -2,8 +2,8 @@
 
 Rows, each keyed next to unkeyed on the same 1 MiB frames, alternated, median of several runs:
 
-- ``frame save``: :func:`~kvdi.connectors.framing.frame_header` (xxh3, plus HMAC-SHA256 with a key);
-- ``frame load``: :func:`~kvdi.connectors.framing.unframe` (xxh3 without a key, the MAC with one);
+- ``frame save``: :func:`~kvdi.connectors.store.framing.frame_header` (xxh3, plus HMAC-SHA256 with a key);
+- ``frame load``: :func:`~kvdi.connectors.store.framing.unframe` (xxh3 without a key, the MAC with one);
 - ``cpu_offload save`` / ``load``: the whole worker half over the host pool, where hashing is most
   of the work, so the ratio is the worst case a store path sees (disk and network paths hide more).
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvdi.bench import BenchResult
-from kvdi.connectors.framing import FrameKey, frame_header, unframe
+from kvdi.connectors.store.framing import FrameKey, frame_header, unframe
 
 BLOCK = 1 << 20
 FINGERPRINT = bytes(16)

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvdi.bench import BenchResult
 from kvdi.connectors.base import SchedulerConnector, WorkerConnector
-from kvdi.connectors.framing import HEADER_SIZE
+from kvdi.connectors.store.framing import HEADER_SIZE
 
 MODEL = {"num_layers": 8, "num_kv_heads": 8, "head_dim": 128, "num_heads": 8, "hidden_size": 1024}
 BLOCK_SIZE = 16  # 8 layers x 2 x 16 tokens x 8 heads x 128 dims x fp32 = 1 MiB a block
@@ -257,7 +257,7 @@ def ttft_consumer(port: int, prompt_len: int, count: int, async_load: str, out: 
         loaded: list[float] = []
         deadline = time.monotonic() + WAIT_S
         channel = container.kv.backend()
-        from kvdi.connectors.keys import block_keys
+        from kvdi.connectors.store.keys import block_keys
 
         last = block_keys(prompts[-1], container.kv.layout())[:1]
         while not channel.count_published(last):  # wait for the producer's last prefill

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvdi.bench import BenchResult
 from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, WorkerConnector, run_transfer_step
-from kvdi.connectors.keys import block_keys
+from kvdi.connectors.store.keys import block_keys
 from kvdi.containers import build_kv_container
 from kvdi.testing.redis_server import RedisServer
 

@@ -36,8 +36,8 @@ from typing import Any
 
 from kvdi.bench import BenchResult
 from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, WorkerConnector, run_transfer_step
-from kvdi.connectors.framing import HEADER_SIZE
-from kvdi.connectors.keys import block_keys
+from kvdi.connectors.store.framing import HEADER_SIZE
+from kvdi.connectors.store.keys import block_keys
 from kvdi.containers import build_kv_container
 
 BLOCK_SIZE = 16

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvdi.connectors.blockio import scatter
-from kvdi.connectors.framing import HEADER_SIZE, Buffer
-from kvdi.connectors.integrity import frame_key
 from kvdi.connectors.logging_once import log_once
+from kvdi.connectors.store.blockio import scatter
+from kvdi.connectors.store.framing import HEADER_SIZE, Buffer
+from kvdi.connectors.store.integrity import frame_key
 from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:

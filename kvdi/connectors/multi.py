@@ -14,9 +14,9 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvdi.connectors.blockio import scatter
-from kvdi.connectors.framing import Buffer
 from kvdi.connectors.store import BlockStore, ReadIntoStore, prefers_async_load, written_count
+from kvdi.connectors.store.blockio import scatter
+from kvdi.connectors.store.framing import Buffer
 
 if TYPE_CHECKING:
     from kvdi.layout import KVCacheSpec

@@ -37,10 +37,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from kvdi.connectors.framing import HEADER_SIZE, Buffer
-from kvdi.connectors.integrity import frame_key
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.safe_dir import DIR_FLAGS, SafeDir
+from kvdi.connectors.store.framing import HEADER_SIZE, Buffer
+from kvdi.connectors.store.integrity import frame_key
+from kvdi.connectors.store.safe_dir import DIR_FLAGS, SafeDir
 from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:

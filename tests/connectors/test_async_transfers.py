@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from kvdi.connectors.base import BlockTransferMetadata, KVRequest, ScheduledRequest, SchedulerOutput, run_transfer_step
-from kvdi.connectors.keys import block_keys
 from kvdi.connectors.store import ASYNC_LOAD_MIN_BYTES, StoreTransferMetadata
+from kvdi.connectors.store.keys import block_keys
 from kvdi.errors import ConfigError
 from kvdi.settings import load_settings
 from tests.helpers.store import DictStore, Engine, make_settings, request, small_layout

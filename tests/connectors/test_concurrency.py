@@ -25,9 +25,9 @@ def expected_block(key: bytes) -> list[torch.Tensor]:
 
 def run_worker(root: str, index: int, rounds: int, results: Any) -> None:
     """One process: alternately load (checking every loaded byte) and save the prompts, in its own order."""
-    from kvdi.connectors.framing import HEADER_SIZE
-    from kvdi.connectors.keys import block_keys
     from kvdi.connectors.shared_storage import FileBlockStore
+    from kvdi.connectors.store.framing import HEADER_SIZE
+    from kvdi.connectors.store.keys import block_keys
     from tests.helpers.store import Engine, make_settings
 
     store = FileBlockStore(Path(root), max_bytes=40 * (LAYOUT.block_bytes + HEADER_SIZE) if index % 2 else None)

@@ -7,8 +7,8 @@ import torch
 
 from kvdi.connectors.base import KVConnectorRole
 from kvdi.connectors.cpu_offload import HostPoolStore, open_store
-from kvdi.connectors.framing import HEADER_SIZE
-from kvdi.connectors.keys import block_keys
+from kvdi.connectors.store.framing import HEADER_SIZE
+from kvdi.connectors.store.keys import block_keys
 from kvdi.containers import build_kv_container
 from kvdi.errors import ConfigError
 from kvdi.settings import CpuOffloadSettings

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvdi.connectors.framing import (
+from kvdi.connectors.store.framing import (
     FLAG_MAC,
     FRAME_VERSION,
     HEADER_SIZE,

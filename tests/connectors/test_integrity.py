@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from kvdi.connectors.cpu_offload import HostPoolStore
-from kvdi.connectors.framing import HEADER_SIZE, frame_header
-from kvdi.connectors.integrity import frame_key
-from kvdi.connectors.keys import block_keys
 from kvdi.connectors.shared_storage import FileBlockStore
 from kvdi.connectors.store import BlockStore
+from kvdi.connectors.store.framing import HEADER_SIZE, frame_header
+from kvdi.connectors.store.integrity import frame_key
+from kvdi.connectors.store.keys import block_keys
 from kvdi.errors import ConfigError
 from kvdi.settings import load_settings
 from tests.helpers.store import Engine, make_settings, request, small_layout

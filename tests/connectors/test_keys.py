@@ -9,7 +9,7 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdi.connectors.keys import KEY_BYTES, block_keys, compose_salt
+from kvdi.connectors.store.keys import KEY_BYTES, block_keys, compose_salt
 from kvdi.layout import KVCacheSpec
 
 LAYOUT = KVCacheSpec("m", 2, 2, 8, 4, "float32")
@@ -62,7 +62,7 @@ def test_layout_fingerprint_seeds_the_chain(ids: list[int]) -> None:
 
 def test_keys_are_the_same_in_another_process_with_another_hash_seed() -> None:
     code = (
-        "from kvdi.layout import KVCacheSpec; from kvdi.connectors.keys import block_keys; "
+        "from kvdi.layout import KVCacheSpec; from kvdi.connectors.store.keys import block_keys; "
         "print(block_keys(list(range(8)), KVCacheSpec('m', 2, 2, 8, 4, 'float32'), 'salt')[1].hex())"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

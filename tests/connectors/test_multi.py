@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from kvdi.connectors.cpu_offload import HostPoolStore
-from kvdi.connectors.framing import HEADER_SIZE
-from kvdi.connectors.keys import block_keys
 from kvdi.connectors.multi import TieredStore, open_store
 from kvdi.connectors.shared_storage import FileBlockStore
+from kvdi.connectors.store.framing import HEADER_SIZE
+from kvdi.connectors.store.keys import block_keys
 from kvdi.containers import build_engine_container, build_kv_container, resolve_tiers
 from kvdi.errors import ConfigError
 from kvdi.registry import ConnectorRegistry

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from kvdi.connectors.base import KVRequest, ScheduledRequest, SchedulerConnector, SchedulerOutput, WorkerConnector
-from kvdi.connectors.framing import HEADER_SIZE, CorruptObjectError, unframe
 from kvdi.connectors.p2p.frames import CacheReceiver, LayerSink, gather_frames
 from kvdi.connectors.p2p.held import Frames, HeldBlocks
+from kvdi.connectors.store.framing import HEADER_SIZE, CorruptObjectError, unframe
 
 TIMEOUT_S = 3.0
 WAIT_S = 60.0
@@ -373,7 +373,7 @@ def test_a_corrupted_byte_fails_only_its_block() -> None:
 def test_a_keyed_reader_accepts_only_frames_maced_under_its_key(
     sender: str | None, reader: str | None, problem: str | None
 ) -> None:
-    from kvdi.connectors.framing import FrameKey
+    from kvdi.connectors.store.framing import FrameKey
 
     layout = small_layout()
     source, dest = random_caches(layout, seed=1), random_caches(layout, seed=2)

@@ -23,10 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdi.connectors.base import KVRequest, ScheduledRequest, SchedulerOutput
-from kvdi.connectors.keys import KEY_BYTES
 from kvdi.connectors.p2p import handshake as hs
 from kvdi.connectors.p2p.protocol import MAX_KEYS, REQUEST_QUEUE, Ack, BadMessage, Request, Session
 from kvdi.connectors.p2p.rendezvous import host_store
+from kvdi.connectors.store.keys import KEY_BYTES
 from kvdi.errors import ConfigError
 
 TOKEN = "correct horse battery staple"

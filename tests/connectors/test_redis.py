@@ -14,7 +14,6 @@ import pytest
 
 redis = pytest.importorskip("redis")
 
-from kvdi.connectors.framing import HEADER_SIZE, frame_header, unframe  # noqa: E402
 from kvdi.connectors.redis import (  # noqa: E402
     BreakerState,
     CircuitBreaker,
@@ -24,6 +23,7 @@ from kvdi.connectors.redis import (  # noqa: E402
     send_gathered,
 )
 from kvdi.connectors.store import BlockStore  # noqa: E402
+from kvdi.connectors.store.framing import HEADER_SIZE, frame_header, unframe  # noqa: E402
 from kvdi.errors import ConfigError  # noqa: E402
 from kvdi.settings import RedisSettings, load_settings  # noqa: E402
 from kvdi.testing.redis_server import RedisServer  # noqa: E402

@@ -16,10 +16,10 @@ import pytest
 redis = pytest.importorskip("redis")
 torch = pytest.importorskip("torch")
 
-from kvdi.connectors.framing import frame_header  # noqa: E402
-from kvdi.connectors.keys import block_keys  # noqa: E402
 from kvdi.connectors.redis import BreakerState, RedisBlockStore, RedisClusterBlockStore, open_store  # noqa: E402
 from kvdi.connectors.redis.wire import BAD_OBJECT  # noqa: E402
+from kvdi.connectors.store.framing import frame_header  # noqa: E402
+from kvdi.connectors.store.keys import block_keys  # noqa: E402
 from kvdi.containers import EngineContainer  # noqa: E402
 from kvdi.errors import ConfigError  # noqa: E402
 from kvdi.layout import KVCacheSpec  # noqa: E402

@@ -17,7 +17,7 @@ pytest.importorskip("redis")
 torch = pytest.importorskip("torch")
 
 from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, run_transfer_step  # noqa: E402
-from kvdi.connectors.keys import block_keys  # noqa: E402
+from kvdi.connectors.store.keys import block_keys  # noqa: E402
 from kvdi.testing.redis_server import RedisServer  # noqa: E402
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]

@@ -19,8 +19,8 @@ from kvdi.connectors.base import (  # noqa: E402
     SchedulerOutput,
     run_transfer_step,
 )
-from kvdi.connectors.keys import block_keys  # noqa: E402
 from kvdi.connectors.redis import BreakerState, RedisBlockStore  # noqa: E402
+from kvdi.connectors.store.keys import block_keys  # noqa: E402
 from kvdi.containers import EngineContainer, KVTransferContainer, build_kv_container  # noqa: E402
 from kvdi.layout import KVCacheSpec  # noqa: E402
 from kvdi.testing import override_connector  # noqa: E402

@@ -28,10 +28,10 @@ from kvdi.connectors.base import (  # noqa: E402
     WorkerConnector,
     run_transfer_step,
 )
-from kvdi.connectors.framing import HEADER_SIZE  # noqa: E402
-from kvdi.connectors.keys import block_keys  # noqa: E402
 from kvdi.connectors.redis import RedisBlockStore  # noqa: E402
 from kvdi.connectors.redis.wire import BAD_OBJECT, object_or_none, present, written  # noqa: E402
+from kvdi.connectors.store.framing import HEADER_SIZE  # noqa: E402
+from kvdi.connectors.store.keys import block_keys  # noqa: E402
 from kvdi.containers import KVTransferContainer, build_engine_container, build_kv_container  # noqa: E402
 from kvdi.settings import RedisSettings  # noqa: E402
 from kvdi.testing.redis_server import RedisServer  # noqa: E402

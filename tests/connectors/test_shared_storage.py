@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from kvdi.connectors.framing import HEADER_SIZE, frame_header
-from kvdi.connectors.keys import block_keys
 from kvdi.connectors.shared_storage import FileBlockStore, open_store
+from kvdi.connectors.store.framing import HEADER_SIZE, frame_header
+from kvdi.connectors.store.keys import block_keys
 from kvdi.containers import EngineContainer, build_engine_container
 from kvdi.errors import ConfigError
 from kvdi.layout import KVCacheSpec

@@ -15,9 +15,9 @@ from kvdi.connectors.base import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvdi.connectors.keys import block_keys
 from kvdi.connectors.shared_storage import FileBlockStore
 from kvdi.connectors.store import StoreSchedulerConnector, StoreWorkerConnector
+from kvdi.connectors.store.keys import block_keys
 from tests.helpers.store import DictStore, Engine, make_settings, request, small_layout
 
 LAYOUT = small_layout(block_size=4)
@@ -196,7 +196,7 @@ def test_backend_must_be_a_block_store() -> None:
 
 
 def test_staged_copies_move_the_same_bytes_as_direct_ones() -> None:
-    from kvdi.connectors.blockio import CacheIO
+    from kvdi.connectors.store.blockio import CacheIO
 
     src = [torch.randn(6, *LAYOUT.block_shape) for _ in range(LAYOUT.num_layers)]
     dst = [torch.zeros_like(t) for t in src]

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvdi.connectors.cpu_offload import HostPoolStore
-from kvdi.connectors.framing import HEADER_SIZE
-from kvdi.connectors.keys import block_keys
 from kvdi.connectors.shared_storage import FileBlockStore, open_store
+from kvdi.connectors.store.framing import HEADER_SIZE
+from kvdi.connectors.store.keys import block_keys
 from kvdi.errors import ConfigError
 from kvdi.settings import SharedStorageSettings, load_settings
 from tests.helpers.store import Engine, make_settings, request, small_layout

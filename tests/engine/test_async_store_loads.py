@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from kvdi.connectors.keys import block_keys
 from kvdi.connectors.shared_storage import FileBlockStore
+from kvdi.connectors.store.keys import block_keys
 from kvdi.containers import EngineContainer
 from kvdi.engine.engine import LLMEngine
 from kvdi.engine.scheduler import Request, RequestStatus

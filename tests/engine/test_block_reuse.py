@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvdi.connectors.framing import unframe
-from kvdi.connectors.keys import block_keys
 from kvdi.connectors.store import BlockStore
+from kvdi.connectors.store.framing import unframe
+from kvdi.connectors.store.keys import block_keys
 from kvdi.containers import EngineContainer
 from kvdi.engine.engine import LLMEngine
 from kvdi.engine.model import SequenceChunk

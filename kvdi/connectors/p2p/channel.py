@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
-from kvdi.connectors.framing import HEADER_SIZE
 from kvdi.connectors.p2p import handshake as hs
 from kvdi.connectors.p2p.errors import P2pHandshakeError, P2pTransferError
 from kvdi.connectors.p2p.held import Frames, HeldBlocks
@@ -59,6 +58,7 @@ from kvdi.connectors.p2p.protocol import (
 from kvdi.connectors.p2p.rendezvous import host_store, is_loopback, join_store
 from kvdi.connectors.p2p.serving import Server
 from kvdi.connectors.p2p.watchdog import Watchdog
+from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.settings import P2pSettings
 
 if TYPE_CHECKING:  # torch.distributed re-exports it at run time only

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvdi.connectors.framing import HEADER_SIZE, CorruptObjectError, FrameKey, PayloadHasher, frame_header
 from kvdi.connectors.p2p.held import Frames
+from kvdi.connectors.store.framing import HEADER_SIZE, CorruptObjectError, FrameKey, PayloadHasher, frame_header
 
 if TYPE_CHECKING:
     import torch

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvdi.connectors.framing import HEADER_SIZE
+from kvdi.connectors.store.framing import HEADER_SIZE
 
 if TYPE_CHECKING:
     import torch

@@ -17,7 +17,7 @@ import hmac
 import json
 from dataclasses import dataclass
 
-from kvdi.connectors.keys import KEY_BYTES
+from kvdi.connectors.store.keys import KEY_BYTES
 
 PREFIX = "kvdi/p2p/"
 REQUEST_QUEUE = PREFIX + "requests"

@@ -23,9 +23,9 @@ from kvdi.connectors.base import (
     SchedulerOutput,
     loadable_tokens,
 )
-from kvdi.connectors.keys import block_keys
 from kvdi.connectors.p2p.backend import require_channel
-from kvdi.connectors.plan import RequestPlan
+from kvdi.connectors.store.keys import block_keys
+from kvdi.connectors.store.plan import RequestPlan
 
 
 @dataclass(frozen=True)

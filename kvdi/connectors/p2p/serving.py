@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from kvdi.connectors.framing import HEADER_SIZE
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.p2p.held import HeldBlocks
 from kvdi.connectors.p2p.pairing import answer_busy
 from kvdi.connectors.p2p.protocol import CONSUMER_RANK, REQUEST_QUEUE, Ack, BadMessage, Request, Session, tag
+from kvdi.connectors.store.framing import HEADER_SIZE
 
 if TYPE_CHECKING:  # torch.distributed re-exports it at run time only
     from torch._C._distributed_c10d import Store

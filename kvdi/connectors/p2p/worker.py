@@ -4,7 +4,7 @@ consumer fetches a step's blocks in one batch, verifies each against its frame h
 Producer: the worker half copies the blocks its scheduler half planned out of the cache into
 host frames (the same format every store uses; MACed with ``KVDI_INTEGRITY_KEY`` when set)
 during ``wait_for_save``, and holds them, published under the block keys of
-:mod:`kvdi.connectors.keys`, until the consumer confirms or ``hold_s`` passes. Nothing reads
+:mod:`kvdi.connectors.store.keys`, until the consumer confirms or ``hold_s`` passes. Nothing reads
 a cache block after ``wait_for_save`` returns, so the engine may reuse it at once.
 Consumer: a step's synchronous loads come in one request; each layer comes as messages of a
 few MiB, received straight into the paged cache when the target blocks are consecutive.
@@ -32,12 +32,12 @@ from kvdi.connectors.base import (
     KVConnectorMetadata,
     WorkerConnector,
 )
-from kvdi.connectors.integrity import frame_key
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.p2p.backend import require_channel
 from kvdi.connectors.p2p.errors import P2pTransferError
 from kvdi.connectors.p2p.scheduler import P2pTransferMetadata
-from kvdi.connectors.transfer_queue import Outcome, TransferQueue, add_stats
+from kvdi.connectors.store.integrity import frame_key
+from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue, add_stats
 
 if TYPE_CHECKING:
     import torch

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvdi.connectors.framing import HEADER_SIZE
 from kvdi.connectors.redis.breaker import BreakerOpenError, BreakerState, CircuitBreaker
 from kvdi.connectors.redis.cluster import RedisClusterBlockStore
 from kvdi.connectors.redis.server import RedisBlockStore, RedisNode
 from kvdi.connectors.redis.wire import send_gathered
+from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.masking import MASK, mask_url
 
 if TYPE_CHECKING:

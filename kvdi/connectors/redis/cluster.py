@@ -33,7 +33,6 @@ from redis.crc import key_slot
 from redis.exceptions import SlotNotCoveredError
 from redis.retry import Retry
 
-from kvdi.connectors.framing import Buffer
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.redis.breaker import BreakerOpenError, CircuitBreaker
 from kvdi.connectors.redis.server import (
@@ -47,6 +46,7 @@ from kvdi.connectors.redis.server import (
     write_exchange,
 )
 from kvdi.connectors.redis.wire import describe, object_or_none, present, redirected
+from kvdi.connectors.store.framing import Buffer
 from kvdi.errors import ConfigError
 from kvdi.masking import mask_url
 

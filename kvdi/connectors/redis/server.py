@@ -29,10 +29,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvdi.connectors.framing import Buffer
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.redis.breaker import BreakerOpenError, CircuitBreaker
 from kvdi.connectors.redis.wire import describe, object_or_none, pack_sets, present, send_gathered, written
+from kvdi.connectors.store.framing import Buffer
 from kvdi.errors import ConfigError
 from kvdi.masking import mask_url
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
 
-from kvdi.connectors.framing import Buffer
+from kvdi.connectors.store.framing import Buffer
 from kvdi.masking import mask_text
 
 _COALESCE_BYTES = 16 << 10  # pieces up to this size are copied into the command buffer

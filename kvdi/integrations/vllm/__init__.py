@@ -15,7 +15,7 @@ The package is split by concept; only :mod:`.connector` and :mod:`.envelopes` im
 - :mod:`.connector`: :class:`KvdiConnector`, vLLM's ``KVConnectorBase_V1`` over kvdi's halves;
 - :mod:`.envelopes`: kvdi's metadata and counters in vLLM's envelope types;
 - :mod:`.config`: kvdi settings from vLLM's config (``kvdi.*`` extra-config keys, role, engine id);
-- :mod:`.layout`: kvdi's :class:`~kvdi.allocator.KVCacheSpec` of vLLM's cache, per-layer block views;
+- :mod:`.layout`: kvdi's :class:`~kvdi.layout.KVCacheSpec` of vLLM's cache, per-layer block views;
 - :mod:`.bridge`: a scratch cache for layouts whose blocks are not contiguous;
 - :mod:`.requests`: vLLM requests and scheduler output as kvdi's;
 - :mod:`.block_index`: the scheduler's key-only view of a worker-local store;

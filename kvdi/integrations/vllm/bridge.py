@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, KVConnectorMetadata, WorkerConnector
-from kvdi.connectors.store_scheduler import StoreTransferMetadata
+from kvdi.connectors.store.scheduler import StoreTransferMetadata
 
 
 class LayoutBridge:

@@ -50,7 +50,7 @@ except ImportError as exc:  # only vLLM loads this module; say what to install i
 
 from kvdi.connectors.base import BlockTransferMetadata, SchedulerConnector, WorkerConnector
 from kvdi.connectors.store import StoreSchedulerConnector
-from kvdi.connectors.store_scheduler import StoreTransferMetadata
+from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.containers import KVTransferContainer
 from kvdi.errors import ConfigError, KvdiError, KVLoadError
 from kvdi.integrations.vllm.async_loads import SchedulerLoads, WorkerLoads

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata
-from kvdi.connectors.store_scheduler import StoreTransferMetadata
+from kvdi.connectors.store.scheduler import StoreTransferMetadata
 
 
 class KeyLookup(Protocol):

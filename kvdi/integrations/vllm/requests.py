@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvdi.connectors.base import KVRequest, ScheduledRequest, SchedulerOutput
-from kvdi.connectors.keys import compose_salt
+from kvdi.connectors.store.keys import compose_salt
 
 
 def kv_request(request: Any) -> KVRequest:

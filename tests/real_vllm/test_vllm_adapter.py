@@ -1,6 +1,6 @@
 """The vLLM adapter's translation pieces over vLLM's own types, without starting an engine (vLLM must be importable).
 
-The same pieces are unit-tested without vLLM in tests/integrations/test_vllm_*.py; here
+The same pieces are unit-tested without vLLM in tests/integrations/vllm/test_vllm_*.py; here
 the inputs are vLLM's ``Request``, ``SchedulerOutput``, ``NewRequestData`` and
 ``CachedRequestData``, and the CPU cache is written by vLLM's own attention kernel.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_support import require_vllm
+from tests.real_vllm.vllm_support import require_vllm
 
 require_vllm()
 
@@ -64,7 +64,7 @@ def test_vllm_request_becomes_a_kv_request_with_its_salt() -> None:
     plain = kv_request(_request("r", [1, 2]))
     assert (plain.request_id, plain.prompt_token_ids, plain.cache_salt) == ("r", (1, 2), None)
     salted = kv_request(_request("s", [1], cache_salt="t", lora_request=LoRARequest("a", 1, "/nowhere")))
-    assert salted.cache_salt == "s1:t|l1:a"  # kvdi.connectors.keys.compose_salt: tagged, length-prefixed parts
+    assert salted.cache_salt == "s1:t|l1:a"  # kvdi.connectors.store.keys.compose_salt: tagged, length-prefixed parts
 
 
 def test_tracker_rebuilds_full_block_lists_from_vllm_scheduler_output() -> None:

@@ -24,9 +24,9 @@ from kvdi.connectors.base import (
     SchedulerOutput,
     loadable_tokens,
 )
-from kvdi.connectors.keys import block_keys
-from kvdi.connectors.plan import RequestPlan
-from kvdi.connectors.store_protocol import prefers_async_load, require_store
+from kvdi.connectors.store.keys import block_keys
+from kvdi.connectors.store.plan import RequestPlan
+from kvdi.connectors.store.protocol import prefers_async_load, require_store
 
 logger = logging.getLogger(__name__)
 

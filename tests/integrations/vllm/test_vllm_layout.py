@@ -136,7 +136,7 @@ def test_bridge_runs_async_store_transfers_in_the_step_and_still_reports_them(tm
     step) and the requests still reach vLLM: finished receiving, then finished sending when they end."""
     from kvdi.connectors.shared_storage import FileBlockStore
     from kvdi.connectors.store import StoreWorkerConnector
-    from kvdi.connectors.store_scheduler import StoreTransferMetadata
+    from kvdi.connectors.store.scheduler import StoreTransferMetadata
 
     settings = load_settings(kv_role="kv_both", engine_id="bridge")
     assert settings.transfer.async_save

@@ -35,7 +35,7 @@ def test_rekey_replaces_load_and_save_keys_for_the_rank() -> None:
 
 
 def test_rekey_keeps_the_asynchronous_parts_of_store_metadata() -> None:
-    from kvdi.connectors.store_scheduler import StoreTransferMetadata
+    from kvdi.connectors.store.scheduler import StoreTransferMetadata
 
     rank1 = RankSlice(tp_size=2, tp_rank=1)
     meta = StoreTransferMetadata(

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvdi.allocator import Staging
-    from kvdi.connectors.framing import Buffer
+    from kvdi.connectors.store.framing import Buffer
 
 
 def scatter(src: Buffer | np.ndarray, pieces: Sequence[Buffer]) -> None:

@@ -1,7 +1,7 @@
 """The optional integrity key: ``KVDI_INTEGRITY_KEY`` or ``KVDI_INTEGRITY_KEY_FILE`` as a :class:`FrameKey`.
 
 With a key, every frame a store half writes carries an HMAC-SHA256 and every frame it reads
-must verify under the key (see :mod:`kvdi.connectors.framing`). A key file must be a regular
+must verify under the key (see :mod:`kvdi.connectors.store.framing`). A key file must be a regular
 file (not a symlink) that only its owner can read or write, like an SSH private key.
 """
 
@@ -11,7 +11,7 @@ import os
 import stat
 from typing import TYPE_CHECKING
 
-from kvdi.connectors.framing import MIN_KEY_BYTES, FrameKey
+from kvdi.connectors.store.framing import MIN_KEY_BYTES, FrameKey
 from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """What the store halves need from a backend: the :class:`BlockStore` protocol and its optional extras.
 
-A BlockStore holds framed objects (see :mod:`kvdi.connectors.framing`) by block key and
+A BlockStore holds framed objects (see :mod:`kvdi.connectors.store.framing`) by block key and
 knows nothing about tensors. Optional extras are read with a default, so a backend that
 predates them keeps working: :class:`ReadIntoStore` (read straight into caller buffers)
 and the class attribute ``prefers_async_load`` (see :func:`prefers_async_load`).
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from kvdi.connectors.base import ConnectorContext
-from kvdi.connectors.framing import Buffer
+from kvdi.connectors.store.framing import Buffer
 
 
 @runtime_checkable

@@ -1,6 +1,6 @@
 """vLLM requests and scheduler output as kvdi's (kvdi.integrations.vllm.requests), without vLLM.
 
-The integration suite (tests/integration/test_vllm_adapter.py) runs the same translation
+The integration suite (tests/real_vllm/test_vllm_adapter.py) runs the same translation
 over vLLM's own Request and SchedulerOutput types.
 """
 

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from vllm_support import BLOCK_SIZE, VOCAB
+from tests.real_vllm.vllm_support import BLOCK_SIZE, VOCAB
 
 START_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60

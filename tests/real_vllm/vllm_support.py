@@ -127,7 +127,7 @@ def run_engine(work: Path, name: str, spec: dict[str, Any], env: dict[str, str] 
 def block_file(store: Path, prompt: list[int], index: int) -> Path:
     """The shared_storage file holding block ``index`` of ``prompt`` (keys chained from the layout fingerprint
     found in any stored header)."""
-    from kvdi.connectors.keys import chain_keys, chain_seed
+    from kvdi.connectors.store.keys import chain_keys, chain_seed
 
     any_object = next(p for p in store.rglob("*") if p.is_file() and not p.name.startswith("."))
     fingerprint = any_object.read_bytes()[8:24]

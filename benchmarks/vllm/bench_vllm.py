@@ -2,8 +2,8 @@
 
 Usage (the vLLM venv, from the repository root)::
 
-    PYTHONPATH=$PWD .venv-vllm/bin/python tests/integration/bench_vllm.py [--repeats 5] [--out r.json]
-    PYTHONPATH=$PWD .venv-vllm/bin/python tests/integration/bench_vllm.py --quick   # smoke run, ~3 min
+    PYTHONPATH=$PWD .venv-vllm/bin/python -m benchmarks.vllm.bench_vllm [--repeats 5] [--out r.json]
+    PYTHONPATH=$PWD .venv-vllm/bin/python -m benchmarks.vllm.bench_vllm --quick   # smoke run, ~3 min
 
 Prints one JSON document on stdout (also written to ``--out``) and a human table on stderr
 with every figure and every ratio of issue 9's Targets next to its target, met or not.
@@ -48,12 +48,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.vllm.bench_report import figures, markdown, ratio_rows, table
+from tests.real_vllm.vllm_support import IN_PROCESS, VOCAB, kv_config, make_prompts, make_tiny_llama, read_stats
 
-from bench_report import figures, markdown, ratio_rows, table
-from vllm_support import IN_PROCESS, VOCAB, kv_config, make_prompts, make_tiny_llama, read_stats
-
-BENCH_ENGINE = Path(__file__).resolve().parent / "bench_engine.py"
+ROOT = Path(__file__).resolve().parents[2]
+BENCH_ENGINE = "benchmarks.vllm.bench_engine"
 ENV = {**IN_PROCESS, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 CONNECTORS = ("no-connector", "kvdi-null", "vllm-example", "kvdi-shared_storage", "kvdi-cpu_offload", "kvdi-redis")
 # Variants, not in the default run: ``-syncsave`` (KVDI_TRANSFER__ASYNC_SAVE=false) and ``-syncload``
@@ -137,17 +136,18 @@ def phases(args: argparse.Namespace, sets: dict[str, Any], r: int) -> list[dict[
 
 
 def run_engine(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Run ``bench_engine.py`` with ``spec`` in a fresh interpreter; ``{"failed": ...}`` with the log tail if it fails."""
+    """Run the bench engine with ``spec`` in a fresh interpreter; ``{"failed": ...}`` with the log tail if it fails."""
     spec = {**spec, "out": str(work / f"{name}.out.json")}
     spec_path = work / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     log = work / f"{name}.log"
     with log.open("w") as fh:
         rc = subprocess.run(
-            [sys.executable, str(BENCH_ENGINE), str(spec_path)],
+            [sys.executable, "-m", BENCH_ENGINE, str(spec_path)],
             stdout=fh,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **ENV},
+            env={**os.environ, **ENV, "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
             timeout=1800,
             check=False,
         ).returncode
@@ -232,7 +232,7 @@ def bench(args: argparse.Namespace, work: Path, redis_url: str) -> dict[str, Any
                 p.pop("tokens", None)
     return {
         "setup": {
-            "command": " ".join(["tests/integration/bench_vllm.py", *sys.argv[1:]]),
+            "command": " ".join(["-m benchmarks.vllm.bench_vllm", *sys.argv[1:]]),
             "repeats": done,
             "repeats_asked": args.repeats,
             "prompts_per_round": args.prompts,

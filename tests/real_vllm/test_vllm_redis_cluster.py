@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_support import IN_PROCESS, expected_blocks, expected_saved, kv_config, read_stats, require_vllm, run_engine
+
+from tests.real_vllm.vllm_support import (
+    IN_PROCESS,
+    expected_blocks,
+    expected_saved,
+    kv_config,
+    read_stats,
+    require_vllm,
+    run_engine,
+)
 
 require_vllm()
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_support import (
+
+from tests.real_vllm.vllm_support import (
     IN_PROCESS,
     block_file,
     expected_blocks,

@@ -5,7 +5,7 @@ exception a store call raises) is a counted miss, never an exception: the blocks
 it stay loaded, the rest are reported through ``get_block_ids_with_load_errors``.
 
 Asynchronous transfers (``transfer.async_save``, ``transfer.async_load``, see
-:mod:`kvdi.connectors.store_scheduler`) run on a :class:`TransferQueue`. The invariant: no
+:mod:`kvdi.connectors.store.scheduler`) run on a :class:`TransferQueue`. The invariant: no
 block's bytes are read or written after the engine may have reused the block. A CPU cache
 is read in place by the background writer, so a request with asynchronous transfers keeps
 its blocks (the scheduler half answered ``delay_free``) until this half reports it as
@@ -30,18 +30,18 @@ from kvdi.connectors.base import (
     KVConnectorMetadata,
     WorkerConnector,
 )
-from kvdi.connectors.framing import HEADER_SIZE, Buffer, frame_header
-from kvdi.connectors.integrity import frame_key
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.store_protocol import ReadIntoStore, require_store, written_count
-from kvdi.connectors.store_reads import ReadChunk, read_chunk, verify_chunk
-from kvdi.connectors.store_scheduler import StoreTransferMetadata
-from kvdi.connectors.transfer_queue import Outcome, TransferQueue, add_stats
+from kvdi.connectors.store.framing import HEADER_SIZE, Buffer, frame_header
+from kvdi.connectors.store.integrity import frame_key
+from kvdi.connectors.store.protocol import ReadIntoStore, require_store, written_count
+from kvdi.connectors.store.reads import ReadChunk, read_chunk, verify_chunk
+from kvdi.connectors.store.scheduler import StoreTransferMetadata
+from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue, add_stats
 
 if TYPE_CHECKING:
     import torch
 
-    from kvdi.connectors.blockio import CacheIO
+    from kvdi.connectors.store.blockio import CacheIO
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class StoreWorkerConnector(WorkerConnector):
         self._logged: set[str] = set()
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        from kvdi.connectors.blockio import CacheIO
+        from kvdi.connectors.store.blockio import CacheIO
 
         layout = self.context.layout
         names = [n for n in layout.layer_names if n in kv_caches]
@@ -102,7 +102,7 @@ class StoreWorkerConnector(WorkerConnector):
 
     def _background(self, io: CacheIO) -> ThreadPoolExecutor | None:
         """The I/O thread of synchronous transfers; None for device caches (staging rows are reused)."""
-        from kvdi.connectors.blockio import usable_cpus
+        from kvdi.connectors.store.blockio import usable_cpus
 
         use = self.io_thread if self.io_thread is not None else usable_cpus() >= 4
         if not io.direct or not use:
@@ -136,7 +136,7 @@ class StoreWorkerConnector(WorkerConnector):
         try:
             return self._staging.pop()
         except IndexError:
-            from kvdi.connectors.blockio import CacheIO
+            from kvdi.connectors.store.blockio import CacheIO
 
             return CacheIO(self._tensors, io.layer_bytes, self._chunk, staging=True, buffers=self.context.staging)
 

@@ -1,6 +1,6 @@
 """One vLLM engine for ``bench_vllm.py``: runs a list of phases with its own step loop, timing every token.
 
-Usage: ``python tests/integration/bench_engine.py SPEC.json`` (``bench_vllm.py`` writes the spec).
+Usage: ``python -m benchmarks.vllm.bench_engine SPEC.json`` (``bench_vllm.py`` writes the spec).
 SPEC holds ``model``, ``block_size``, ``max_model_len``, ``max_num_batched_tokens``,
 ``prefix_caching``, optionally ``kv`` (KVTransferConfig keyword arguments), ``out`` and
 ``phases``; each phase is one of
@@ -167,6 +167,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from vllm_support import spec_main
+    from tests.real_vllm.vllm_support import spec_main
 
     sys.exit(spec_main(sys.argv, run))

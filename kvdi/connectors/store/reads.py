@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from kvdi.connectors.base import ConnectorStats
-from kvdi.connectors.framing import HEADER_SIZE, Buffer, CorruptObjectError, FrameKey, unframe, verify_pieces
-from kvdi.connectors.store_protocol import BlockStore, ReadIntoStore
+from kvdi.connectors.store.framing import HEADER_SIZE, Buffer, CorruptObjectError, FrameKey, unframe, verify_pieces
+from kvdi.connectors.store.protocol import BlockStore, ReadIntoStore
 
 if TYPE_CHECKING:
-    from kvdi.connectors.blockio import CacheIO
+    from kvdi.connectors.store.blockio import CacheIO
 
 
 @dataclass

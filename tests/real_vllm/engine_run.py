@@ -1,6 +1,6 @@
 """Run one offline vLLM engine over token-id prompts and write the greedy tokens as JSON.
 
-Usage: ``python tests/integration/engine_run.py SPEC.json`` where SPEC holds ``model`` (a
+Usage: ``python tests/real_vllm/engine_run.py SPEC.json`` where SPEC holds ``model`` (a
 directory), ``prompts`` (lists of token ids), ``rounds``, ``max_tokens``, ``block_size``,
 ``max_model_len``, ``out`` (where the result goes), optionally ``kv`` (KVTransferConfig
 keyword arguments), ``prefix_caching`` (vLLM's own prefix cache, on unless false),

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvdi.connectors.base import ConnectorContext, KVConnectorRole, KVRequest
-from kvdi.connectors.keys import block_keys
 from kvdi.connectors.store import StoreSchedulerConnector
+from kvdi.connectors.store.keys import block_keys
 from kvdi.layout import KVCacheSpec
 from kvdi.settings import KvdiSettings
 

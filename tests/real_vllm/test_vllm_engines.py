@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_support import (
+
+from tests.real_vllm.vllm_support import (
     IN_PROCESS,
     block_file,
     expected_blocks,
@@ -99,7 +100,7 @@ def test_loaded_kv_is_what_attention_reads(
     stored: dict[str, Any], base_spec: dict[str, Any], prompts: list[list[int]], baseline_tokens: list[list[int]]
 ) -> None:
     """A well-framed block holding another prompt's KV changes that prompt's output: loads are really used."""
-    from kvdi.connectors.framing import HEADER_SIZE, frame_header
+    from kvdi.connectors.store.framing import HEADER_SIZE, frame_header
 
     work = stored["work"]
     store = work / "store-swapped"

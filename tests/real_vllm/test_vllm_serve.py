@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serve_support import VllmServer, model_with_tokenizer, word
-from vllm_support import expected_blocks, expected_saved, kv_config, read_stats, require_vllm
+
+from tests.real_vllm.serve_support import VllmServer, model_with_tokenizer, word
+from tests.real_vllm.vllm_support import expected_blocks, expected_saved, kv_config, read_stats, require_vllm
 
 require_vllm()
 

@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_support import expected_blocks, expected_saved, kv_config, read_stats, require_vllm, run_engine
+
+from tests.real_vllm.vllm_support import (
+    expected_blocks,
+    expected_saved,
+    kv_config,
+    read_stats,
+    require_vllm,
+    run_engine,
+)
 
 require_vllm()
 
