@@ -39,8 +39,11 @@ class ConnectorSpec:
     container and shared by both halves (a store, pool or client). ``settings`` names the
     field of :class:`~kvdi.settings.KvdiSettings` that holds the connector's typed options,
     or a pydantic model class validated from ``kv_connector_extra_config``. ``requires``
-    lists import names of optional dependencies. ``process_local`` says the backend lives in
-    this process only (e.g. ``cpu_offload``): what one process saves another cannot load.
+    lists import names of optional dependencies and ``install`` the pip requirement that
+    provides them (default: the import names themselves); a connector whose requirement is
+    missing fails to resolve with ``pip install '<install>'`` in its message. ``process_local``
+    says the backend lives in this process only (e.g. ``cpu_offload``): what one process saves
+    another cannot load.
     ``tiers`` names the field of the connector's options that lists other registered store
     connectors this one is built from (``multi``'s ``tiers``): the container resolves each
     through its registry before building anything and hands the backend factory ``tiers=``.
@@ -55,6 +58,13 @@ class ConnectorSpec:
     description: str = ""
     process_local: bool = False  # blocks live in the worker process's memory (the vLLM adapter indexes them)
     tiers: str | None = None
+    install: str = ""
+
+    @property
+    def install_hint(self) -> str:
+        """`` (install it with: pip install '...')`` for a connector with requirements, else ``""``."""
+        what = self.install or " ".join(self.requires)
+        return f" (install it with: pip install '{what}')" if what else ""
 
     def targets(self) -> tuple[str, str, str | None]:
         return (self.scheduler, self.worker, self.backend)
@@ -87,16 +97,27 @@ class ResolvedConnector:
         return self.scheduler_cls if role is KVConnectorRole.SCHEDULER else self.worker_cls
 
     @property
-    def is_store(self) -> bool:
-        """A plain store connector: the store halves over its own backend (so it can be a tier)."""
+    def store_halves(self) -> bool:
+        """Kvdi's store halves over a backend (a BlockStore): blocks move by key, so each rank of a
+        parallel engine can store its own slice (unless the store is ``process_local``)."""
         from kvdi.connectors.store import StoreSchedulerConnector, StoreWorkerConnector
 
         return (
             self.backend_factory is not None
-            and self.spec.tiers is None
             and issubclass(self.scheduler_cls, StoreSchedulerConnector)
             and issubclass(self.worker_cls, StoreWorkerConnector)
         )
+
+    @property
+    def is_store(self) -> bool:
+        """A plain store connector: the store halves over its own backend, no tiers (so it can be a tier)."""
+        return self.spec.tiers is None and self.store_halves
+
+    @property
+    def stores_rank_slices(self) -> bool:
+        """Each rank of a tensor/pipeline-parallel engine can store and load its own slice: the store halves
+        over a store every process reaches (not ``process_local``)."""
+        return self.store_halves and not self.spec.process_local
 
 
 @dataclass(frozen=True)
@@ -140,6 +161,7 @@ BUILTIN_SPECS: tuple[ConnectorSpec, ...] = (
         backend=f"{_C}.redis:open_store",
         settings="redis",
         requires=("redis",),
+        install="kvdi[redis]",
         description="one Redis key per framed block",
     ),
     ConnectorSpec(
@@ -162,27 +184,24 @@ BUILTIN_SPECS: tuple[ConnectorSpec, ...] = (
 )
 
 
-def import_target(target: str) -> Any:
-    """Import ``"pkg.mod:attr"``; raise ConnectorImportError naming module, attribute and cause."""
+def import_target(target: str, spec: ConnectorSpec | None = None) -> Any:
+    """Import ``"pkg.mod:attr"``; raise ConnectorImportError naming module, attribute and cause.
+
+    When the missing module is one of ``spec.requires``, the message carries the spec's install hint.
+    """
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ConnectorImportError(target, ValueError("target must look like 'pkg.module:Name'"))
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConnectorImportError(target, exc, _install_hint(exc)) from exc
+        missing = (getattr(exc, "name", None) or "").partition(".")[0]
+        hint = spec.install_hint if spec is not None and missing in spec.requires else ""
+        raise ConnectorImportError(target, exc, hint) from exc
     try:
         return getattr(module, attr)
     except AttributeError as exc:
         raise ConnectorImportError(target, exc) from exc
-
-
-def _install_hint(exc: ImportError) -> str:
-    missing = getattr(exc, "name", None)
-    extras = {"redis": "redis", "vllm": "vllm"}
-    if missing in extras:
-        return f" (install it with: pip install 'kvdi[{extras[missing]}]')"
-    return ""
 
 
 class LazyTarget:
@@ -256,9 +275,9 @@ class ConnectorRegistry:
         """Import and check the classes of ``name``; raises TypeError for a class of the wrong role."""
         entry = self.get(name, module_path)
         spec = entry.spec
-        scheduler_cls = _checked_class(spec.scheduler, SchedulerConnector)
-        worker_cls = _checked_class(spec.worker, WorkerConnector)
-        backend = import_target(spec.backend) if spec.backend else None
+        scheduler_cls = _checked_class(spec, spec.scheduler, SchedulerConnector)
+        worker_cls = _checked_class(spec, spec.worker, WorkerConnector)
+        backend = import_target(spec.backend, spec) if spec.backend else None
         return ResolvedConnector(spec, entry.origin, scheduler_cls, worker_cls, backend)
 
     def resolve_store(self, name: str, setting: str) -> ResolvedConnector:
@@ -329,8 +348,8 @@ def _renamed(spec: ConnectorSpec, name: str) -> ConnectorSpec:
     return spec if spec.name == name else replace(spec, name=name)
 
 
-def _checked_class(target: str, base: type[Any]) -> Any:
-    cls = import_target(target)
+def _checked_class(spec: ConnectorSpec, target: str, base: type[Any]) -> Any:
+    cls = import_target(target, spec)
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise ConnectorTypeError(f"{target} must be a subclass of kvdi.connectors.base.{base.__name__}, got {cls!r}")
     return cls

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from kvdi.connectors.base import SchedulerConnector, WorkerConnector
-from kvdi.errors import ConnectorImportError, ConnectorTypeError, DuplicateConnectorError, UnknownConnectorError
+from kvdi.errors import (
+    ConfigError,
+    ConnectorImportError,
+    ConnectorTypeError,
+    DuplicateConnectorError,
+    UnknownConnectorError,
+)
 from kvdi.registry import ConnectorRegistry, ConnectorSpec
 from tests.helpers.registry import CONNECTOR_MODULE, install_entry_point, write_module
 
@@ -18,14 +24,20 @@ NULL_W = "kvdi.connectors.null:NullWorkerConnector"
 
 
 def test_builtins_are_listed_without_importing_connector_modules() -> None:
+    """Listing names imports no connector module (and not torch); every listed built-in then resolves."""
     code = (
-        "import sys; from kvdi.registry import ConnectorRegistry; r = ConnectorRegistry(); "
+        "import sys; from kvdi.registry import ConnectorRegistry; r = ConnectorRegistry(entry_points=False); "
         "print(','.join(r.names())); "
         "assert not [m for m in sys.modules if m.startswith('kvdi.connectors.') and m != 'kvdi.connectors.base'], sys.modules; "
         "assert 'torch' not in sys.modules"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-    assert {"null", "shared_storage", "cpu_offload", "redis", "multi", "p2p"} <= set(out.strip().split(","))
+    names = out.strip().split(",")
+    assert len(names) >= 2
+    reg = ConnectorRegistry(entry_points=False)
+    for name in names:
+        if not reg.get(name).missing_requirements:
+            assert reg.resolve(name).spec.name == name
 
 
 def test_resolve_imports_and_checks_both_role_classes() -> None:
@@ -145,11 +157,6 @@ def test_entry_point_that_is_not_a_spec_is_a_type_error(tmp_path: Path, monkeypa
         ConnectorRegistry().resolve("bad_ep")
 
 
-def test_only_cpu_offload_is_process_local() -> None:
-    reg = ConnectorRegistry(entry_points=False)
-    assert [n for n in reg.names() if reg.get(n).spec.process_local] == ["cpu_offload"]
-
-
 def test_a_renamed_entry_point_spec_keeps_every_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
     impl = write_module(tmp_path, CONNECTOR_MODULE)
@@ -163,7 +170,62 @@ def test_a_renamed_entry_point_spec_keeps_every_field(tmp_path: Path, monkeypatc
     assert (spec.name, spec.process_local, spec.requires) == ("renamed", True, ("zlib",))
 
 
-def test_store_connectors_are_the_store_halves_over_a_backend() -> None:
-    reg = ConnectorRegistry(entry_points=False)
-    assert reg.store_names() == ["cpu_offload", "redis", "shared_storage"]
-    assert reg.resolve_store("redis", "X").spec.name == "redis"
+STORE_S = "kvdi.connectors.store:StoreSchedulerConnector"
+STORE_W = "kvdi.connectors.store:StoreWorkerConnector"
+POOL = "kvdi.connectors.cpu_offload:open_store"
+
+
+def test_a_store_connector_is_the_store_halves_over_a_backend_whatever_its_name() -> None:
+    """The spec decides: store halves + a backend is a store (a tier), with tiers it is not, null is not."""
+    reg = ConnectorRegistry(
+        specs=[
+            ConnectorSpec("mine", STORE_S, STORE_W, backend=POOL),
+            ConnectorSpec("local", STORE_S, STORE_W, backend=POOL, process_local=True),
+            ConnectorSpec("layered", STORE_S, STORE_W, backend=POOL, tiers="tiers"),
+            ConnectorSpec("plain", NULL_S, NULL_W),
+        ],
+        entry_points=False,
+    )
+    assert reg.store_names() == ["local", "mine"]
+    assert reg.resolve_store("mine", "X").spec.name == "mine"
+    with pytest.raises(ConfigError, match="X names 'layered', which is not a store connector"):
+        reg.resolve_store("layered", "X")
+    with pytest.raises(ConfigError, match="X names 'nope', which is not a registered connector"):
+        reg.resolve_store("nope", "X")
+    slices = {n: reg.resolve(n).stores_rank_slices for n in ("mine", "local", "layered", "plain")}
+    assert slices == {"mine": True, "local": False, "layered": True, "plain": False}
+
+
+def test_a_missing_requirement_names_the_specs_install_hint() -> None:
+    """A backend importing a package the spec requires, absent here: the error says what to pip install."""
+    reg = ConnectorRegistry(
+        specs=[
+            ConnectorSpec(
+                "needy",
+                NULL_S,
+                NULL_W,
+                backend="no_such_pkg_kvdi.sub:open",
+                requires=("no_such_pkg_kvdi",),
+                install="kvdi-needy[extra]",
+            ),
+            ConnectorSpec("bare", NULL_S, NULL_W, backend="no_such_pkg_kvdi:open", requires=("no_such_pkg_kvdi",)),
+            ConnectorSpec(
+                "unrelated", NULL_S, NULL_W, backend="other_missing_pkg:open", requires=("no_such_pkg_kvdi",)
+            ),
+        ],
+        entry_points=False,
+    )
+    assert reg.get("needy").missing_requirements == ("no_such_pkg_kvdi",)
+    with pytest.raises(ConnectorImportError, match=r"pip install 'kvdi-needy\[extra\]'"):
+        reg.resolve("needy")
+    with pytest.raises(ConnectorImportError, match="pip install 'no_such_pkg_kvdi'"):
+        reg.resolve("bare")
+    with pytest.raises(ConnectorImportError) as err:
+        reg.resolve("unrelated")
+    assert "pip install" not in str(err.value)
+
+
+def test_connector_type_error_is_exported_and_is_a_type_error() -> None:
+    import kvdi
+
+    assert kvdi.ConnectorTypeError is ConnectorTypeError and issubclass(ConnectorTypeError, TypeError)

@@ -14,16 +14,15 @@ from typing import Any
 
 import pytest
 import torch
+from dependency_injector import providers
 
 from kvdi.connectors.cpu_offload import HostPoolStore
-from kvdi.connectors.multi import TieredStore, open_store
+from kvdi.connectors.multi import TieredStore
 from kvdi.connectors.shared_storage import FileBlockStore
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.keys import block_keys
-from kvdi.containers import build_engine_container, build_kv_container, resolve_tiers
+from kvdi.containers import KVTransferContainer, build_engine_container, build_kv_container
 from kvdi.errors import ConfigError
-from kvdi.registry import ConnectorRegistry
-from kvdi.settings import KvdiSettings, MultiSettings
 from tests.helpers.registry import install_entry_point, write_module
 from tests.helpers.store import DictStore, Engine, make_settings, request, small_layout
 
@@ -35,24 +34,26 @@ PROMPT = request(range(18))
 KEYS = block_keys(PROMPT.prompt_token_ids, LAYOUT)
 
 
-def settings_for(tmp_path: Path, slots: int = 16) -> KvdiSettings:
-    return make_settings(tmp_path / "kv", cpu_offload={"max_bytes": slots * FRAME})
-
-
-def open_tiered(
-    options: MultiSettings, settings: KvdiSettings, registry: ConnectorRegistry | None = None
-) -> TieredStore:
-    """multi's backend as the container builds it: tiers resolved through a registry, then opened."""
-    reg = registry or ConnectorRegistry()
-    tiers = resolve_tiers(reg, reg.resolve("multi"), options, settings)
-    return open_store(options, LAYOUT, settings, tiers=tiers)
+def multi_container(tmp_path: Path, **overrides: Any) -> KVTransferContainer:
+    """A real container for ``multi`` (its registry resolves the tiers) whose layout is this test's."""
+    c = build_kv_container(
+        kv_connector="multi",
+        engine_id="test",
+        shared_storage={"path": str(tmp_path / "kv")},
+        cpu_offload={"max_bytes": 16 * FRAME},
+        **overrides,
+    )
+    c.layout.override(providers.Object(LAYOUT))
+    return c
 
 
 @pytest.fixture
-def tiered(tmp_path: Path) -> Iterator[TieredStore]:
-    store = open_tiered(MultiSettings(), settings_for(tmp_path))
+def tiered(kvdi_env: Path, tmp_path: Path) -> Iterator[TieredStore]:
+    c = multi_container(tmp_path)
+    store = c.backend()
+    assert isinstance(store, TieredStore)
     yield store
-    store.close()
+    c.shutdown_resources()
 
 
 def test_tiers_are_built_in_order_from_their_own_settings(tiered: TieredStore) -> None:
@@ -60,9 +61,9 @@ def test_tiers_are_built_in_order_from_their_own_settings(tiered: TieredStore) -
     assert isinstance(tiered.tiers[0][1], HostPoolStore) and isinstance(tiered.tiers[1][1], FileBlockStore)
 
 
-def test_a_misspelt_tier_is_a_config_error_with_did_you_mean(tmp_path: Path) -> None:
+def test_a_misspelt_tier_is_a_config_error_with_did_you_mean(kvdi_env: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
-        open_tiered(MultiSettings(tiers=("cpu_offload", "shared_storag")), settings_for(tmp_path))
+        multi_container(tmp_path, multi={"tiers": ["cpu_offload", "shared_storag"]})
     assert str(err.value) == (
         "KVDI_MULTI__TIERS names 'shared_storag', which is not a registered connector; "
         "store connectors: cpu_offload, redis, shared_storage (did you mean 'shared_storage'?)"

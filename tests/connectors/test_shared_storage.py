@@ -182,7 +182,6 @@ def test_corruption_is_logged_once_per_reason(store: FileBlockStore, caplog: pyt
 
 CHILD = """
 import json, resource, sys
-sys.path.insert(0, sys.argv[2])
 from pathlib import Path
 from tests.helpers.store import Engine, make_settings, request, small_layout
 from kvdi.connectors.shared_storage import FileBlockStore
@@ -201,7 +200,9 @@ print(json.dumps(out))
 
 def run_child(root: Path, limit: int = 0, wrap: list[str] | None = None) -> dict[str, Any]:
     argv = [sys.executable, "-c", CHILD, str(root), REPO_ROOT, str(limit)]
-    proc = subprocess.run([*(wrap or []), *argv], capture_output=True, text=True, timeout=120)
+    path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}  # the child imports kvdi and tests.helpers from this checkout
+    proc = subprocess.run([*(wrap or []), *argv], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 
-from kvdi.connectors.base import loadable_tokens
 from kvdi.containers import EngineContainer, build_engine_container
 from kvdi.engine.engine import LLMEngine, RequestOutput
 from tests.helpers.engine import BLOCK_SIZE, small_settings
@@ -55,10 +54,15 @@ def test_consumer_first_token_logits_are_within_1e_4(
 
 
 def test_consumer_computes_only_the_tokens_after_the_loaded_blocks(consumer: list[RequestOutput]) -> None:
-    for out in consumer:
-        n = len(out.prompt_token_ids)
-        assert out.num_loaded_tokens == loadable_tokens(n, BLOCK_SIZE) > 0
-        assert out.num_computed_prompt_tokens == n - out.num_loaded_tokens
+    """Whole blocks of 4 load, leaving at least the last prompt token to compute (9 -> 8, 16 -> 12, 17 -> 16)."""
+    assert BLOCK_SIZE == 4 and [len(p) for p in PROMPTS] == [9, 13, 16, 17, 30]
+    assert [(o.num_loaded_tokens, o.num_computed_prompt_tokens) for o in consumer] == [
+        (8, 1),
+        (12, 1),
+        (12, 4),
+        (16, 1),
+        (28, 2),
+    ]
 
 
 def test_null_connector_loads_nothing_and_computes_every_prompt_token(baseline: list[RequestOutput]) -> None:

@@ -62,8 +62,8 @@ def test_shared_storage_producer_stores_every_full_block(
 def test_vllm_local_prefix_hits_come_first(stored: dict[str, Any], baseline_tokens: list[list[int]]) -> None:
     """Round 2 of the storing engine is served by vLLM's own prefix cache: kvdi offers and loads nothing."""
     assert stored["result"]["rounds"][1]["tokens"] == baseline_tokens
-    assert read_stats(stored["work"] / "stats", "worker").get("loaded_blocks", 0) == 0
-    assert read_stats(stored["work"] / "stats", "scheduler").get("lookup_hit_blocks", 0) == 0
+    assert read_stats(stored["work"] / "stats", "worker")["loaded_blocks"] == 0
+    assert read_stats(stored["work"] / "stats", "scheduler")["lookup_hit_blocks"] == 0
 
 
 def test_shared_storage_second_engine_loads_and_matches(

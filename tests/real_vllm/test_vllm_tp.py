@@ -90,8 +90,8 @@ def test_tp1_engine_loads_nothing_from_a_tp2_store(
     kv = kv_config("shared_storage", stats_dir=stats, shared_storage__path=str(tp_store["store"]))
     result = run_engine(tp_store["work"], "tp1-consumer", {**base_spec, "kv": kv}, env=IN_PROCESS)
     assert result["rounds"][0]["tokens"] == baseline_tokens
-    assert read_stats(stats, "worker").get("loaded_blocks", 0) == 0
-    assert read_stats(stats, "scheduler").get("lookup_hit_blocks", 0) == 0
+    assert read_stats(stats, "worker")["loaded_blocks"] == 0
+    assert read_stats(stats, "scheduler")["lookup_hit_blocks"] == 0
 
 
 def test_corrupt_slice_on_one_rank_is_recomputed_on_all(tp_store: dict[str, Any], base_spec: dict[str, Any]) -> None:

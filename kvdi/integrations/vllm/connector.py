@@ -49,7 +49,6 @@ except ImportError as exc:  # only vLLM loads this module; say what to install i
     raise ImportError(f"kvdi.integrations.vllm needs vLLM ({exc}); install it with: pip install 'kvdi[vllm]'") from exc
 
 from kvdi.connectors.base import BlockTransferMetadata, SchedulerConnector, WorkerConnector
-from kvdi.connectors.store import StoreSchedulerConnector
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.containers import KVTransferContainer
 from kvdi.errors import ConfigError, KvdiError, KVLoadError
@@ -63,7 +62,6 @@ from kvdi.integrations.vllm.parallel import AllRanksStore, KeyLookup
 from kvdi.integrations.vllm.requests import RequestTracker
 from kvdi.integrations.vllm.shared import SHARED
 from kvdi.integrations.vllm.stats import AdapterStats, StatsReporter, check_engine_id, write_stats_file
-from kvdi.registry import import_target
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -149,15 +147,13 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
 
     def _check_parallel(self, container: KVTransferContainer) -> None:
         """Refuse what cannot store per-rank slices: stores in one worker's memory, non-store connectors."""
-        spec = container.connector().spec
-        scheduler_class = import_target(spec.scheduler)
-        store_halves = isinstance(scheduler_class, type) and issubclass(scheduler_class, StoreSchedulerConnector)
-        if self._index_mode or not store_halves:
+        resolved = container.connector()
+        if not resolved.stores_rank_slices:  # the spec decides (kvdi.registry.ResolvedConnector)
             raise ConfigError(
-                f"kvdi.kv_connector={spec.name!r} does not support tensor_parallel_size="
+                f"kvdi.kv_connector={resolved.spec.name!r} does not support tensor_parallel_size="
                 f"{self._shape.tp_size} / pipeline_parallel_size={self._shape.pp_size}: with more than one "
-                "rank each rank stores its own slice in a store every process reaches; use shared_storage, "
-                "redis or multi over them"
+                "rank each rank stores its own slice in a store every process reaches; pick a store connector "
+                "that is not process-local (`kvdi connectors` lists them)"
             )
 
     @property
