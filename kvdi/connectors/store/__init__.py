@@ -13,7 +13,15 @@ framed objects, verifies every object it loads, and turns any bad object into a 
 from __future__ import annotations
 
 from kvdi.connectors.store.framing import Buffer
-from kvdi.connectors.store.protocol import BlockStore, ReadIntoStore, prefers_async_load, require_store, written_count
+from kvdi.connectors.store.protocol import (
+    BlockStore,
+    CheckedStore,
+    ReadIntoStore,
+    StoreCapabilities,
+    prefers_async_load,
+    require_store,
+    written_count,
+)
 from kvdi.connectors.store.scheduler import ASYNC_LOAD_MIN_BYTES, StoreSchedulerConnector, StoreTransferMetadata
 from kvdi.connectors.store.worker import CHUNK_BYTES, StoreWorkerConnector
 
@@ -22,7 +30,9 @@ __all__ = [
     "CHUNK_BYTES",
     "BlockStore",
     "Buffer",
+    "CheckedStore",
     "ReadIntoStore",
+    "StoreCapabilities",
     "StoreSchedulerConnector",
     "StoreTransferMetadata",
     "StoreWorkerConnector",

@@ -1,14 +1,30 @@
-"""What the store halves need from a backend: the :class:`BlockStore` protocol and its optional extras.
+"""What the store halves need from a backend: the :class:`BlockStore` protocol and its optional capabilities.
 
 A BlockStore holds framed objects (see :mod:`kvdi.connectors.store.framing`) by block key and
-knows nothing about tensors. Optional extras are read with a default, so a backend that
-predates them keeps working: :class:`ReadIntoStore` (read straight into caller buffers)
-and the class attribute ``prefers_async_load`` (see :func:`prefers_async_load`).
+knows nothing about tensors. Five methods are required (:class:`BlockStore`). Everything else
+is an optional capability, declared here and read in one place (:meth:`StoreCapabilities.of`)
+with a default, so a backend that offers none of them works unchanged:
+
+==========================  ==========================================================  ===========
+capability                  what it is for                                              default
+==========================  ==========================================================  ===========
+``get_into_many``           read straight into the cache, no staging copy               get_many
+                            (:class:`ReadIntoStore`)
+``prefers_async_load``      class attribute: reads are remote or cold, load beside the  False
+                            compute (:func:`prefers_async_load`)
+``num_slots``               attribute: how many blocks the store holds at most (the     None
+                            vLLM adapter sizes its key index with it)
+``check()``                 a one-line health summary; raises OSError when the store    none
+                            cannot serve (``kvdi check``)
+==========================  ==========================================================  ===========
+
+The conformance suite :mod:`kvdi.testing.conformance` checks a store against all of this.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvdi.connectors.base import ConnectorContext
@@ -66,6 +82,36 @@ class ReadIntoStore(Protocol):
         ...
 
 
+@runtime_checkable
+class CheckedStore(Protocol):
+    """Optional capability: ``check()`` probes the medium and returns a one-line summary (``kvdi check``)."""
+
+    def check(self) -> str:
+        """A one-line summary of where the store is and how it is set up; OSError when it cannot serve."""
+        ...
+
+
+@dataclass(frozen=True)
+class StoreCapabilities:
+    """Every optional capability of one store, read once (protocol checks are slow: not per call)."""
+
+    read_into: bool
+    prefers_async_load: bool
+    num_slots: int | None
+    check: Callable[[], str] | None
+
+    @classmethod
+    def of(cls, store: object) -> StoreCapabilities:
+        """The capabilities ``store`` declares; anything it does not declare takes its default."""
+        slots = getattr(store, "num_slots", None)
+        return cls(
+            read_into=isinstance(store, ReadIntoStore),
+            prefers_async_load=prefers_async_load(store),
+            num_slots=slots if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0 else None,
+            check=store.check if isinstance(store, CheckedStore) else None,
+        )
+
+
 def require_store(context: ConnectorContext) -> BlockStore:
     """The context's backend as a BlockStore, or a TypeError naming the connector."""
     backend = context.backend
@@ -97,4 +143,12 @@ def written_count(result: object, count: int) -> int:
     return max(0, min(result, count))
 
 
-__all__ = ["BlockStore", "ReadIntoStore", "prefers_async_load", "require_store", "written_count"]
+__all__ = [
+    "BlockStore",
+    "CheckedStore",
+    "ReadIntoStore",
+    "StoreCapabilities",
+    "prefers_async_load",
+    "require_store",
+    "written_count",
+]

@@ -33,7 +33,7 @@ from kvdi.connectors.base import (
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer, frame_header
 from kvdi.connectors.store.integrity import frame_key
-from kvdi.connectors.store.protocol import ReadIntoStore, require_store, written_count
+from kvdi.connectors.store.protocol import StoreCapabilities, require_store, written_count
 from kvdi.connectors.store.reads import ReadChunk, read_chunk, verify_chunk
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue, add_stats
@@ -60,7 +60,8 @@ class StoreWorkerConnector(WorkerConnector):
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         self.store = require_store(context)
-        self._read_into = isinstance(self.store, ReadIntoStore)  # a Protocol check is slow: once, here
+        self.capabilities = StoreCapabilities.of(self.store)  # protocol checks are slow: once, here
+        self._read_into = self.capabilities.read_into
         layout = context.layout
         transfer = context.settings.transfer
         self.io_thread: bool | None = _IO_THREAD[transfer.io_thread]
