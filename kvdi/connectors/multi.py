@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvdi.connectors.store import BlockStore, ReadIntoStore, prefers_async_load, written_count
+from kvdi.connectors.store import BlockStore, PrefetchStore, ReadIntoStore, prefers_async_load, written_count
 from kvdi.connectors.store.blockio import scatter
 from kvdi.connectors.store.framing import Buffer
 
@@ -106,6 +106,17 @@ class TieredStore:
                 scatter(src, pieces)
             out.append(src.nbytes)
         return out
+
+    def prefetch(self, keys: Sequence[bytes]) -> bool:
+        """Read ahead in every tier that can (see ``PrefetchStore``); True while any tier says it pays."""
+        more = False
+        for _name, store in self.tiers:
+            if isinstance(store, PrefetchStore):
+                try:
+                    more = store.prefetch(keys) or more
+                except Exception:  # a hint only
+                    continue
+        return more
 
     def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
         """Write to every tier; return the most objects any tier wrote (the objects now held somewhere).

@@ -16,6 +16,7 @@ from kvdi.connectors.store.framing import Buffer
 from kvdi.connectors.store.protocol import (
     BlockStore,
     CheckedStore,
+    PrefetchStore,
     ReadIntoStore,
     StoreCapabilities,
     prefers_async_load,
@@ -31,6 +32,7 @@ __all__ = [
     "BlockStore",
     "Buffer",
     "CheckedStore",
+    "PrefetchStore",
     "ReadIntoStore",
     "StoreCapabilities",
     "StoreSchedulerConnector",

@@ -16,6 +16,9 @@ capability                  what it is for                                      
                             vLLM adapter sizes its key index with it)
 ``check()``                 a one-line health summary; raises OSError when the store    none
                             cannot serve (``kvdi check``)
+``prefetch(keys) -> bool``  start reading objects ahead of the loads (several objects   none
+                            in flight on a cold medium); True while that pays
+                            (:class:`PrefetchStore`)
 ==========================  ==========================================================  ===========
 
 The conformance suite :mod:`kvdi.testing.conformance` checks a store against all of this.
@@ -91,6 +94,19 @@ class CheckedStore(Protocol):
         ...
 
 
+@runtime_checkable
+class PrefetchStore(Protocol):
+    """Optional capability: read objects ahead, so that a cold medium has several reads in flight."""
+
+    def prefetch(self, keys: Sequence[bytes]) -> bool:
+        """Start fetching ``keys`` (a hint: never raises for a missing or odd object, returns at once).
+
+        Returns True when the objects were not all in fast memory, so prefetching the keys after
+        them pays; False when they already were (the worker half then stops asking for this load).
+        """
+        ...
+
+
 @dataclass(frozen=True)
 class StoreCapabilities:
     """Every optional capability of one store, read once (protocol checks are slow: not per call)."""
@@ -99,6 +115,7 @@ class StoreCapabilities:
     prefers_async_load: bool
     num_slots: int | None
     check: Callable[[], str] | None
+    prefetch: Callable[[Sequence[bytes]], bool] | None = None
 
     @classmethod
     def of(cls, store: object) -> StoreCapabilities:
@@ -109,6 +126,7 @@ class StoreCapabilities:
             prefers_async_load=prefers_async_load(store),
             num_slots=slots if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0 else None,
             check=store.check if isinstance(store, CheckedStore) else None,
+            prefetch=store.prefetch if isinstance(store, PrefetchStore) else None,
         )
 
 
@@ -146,6 +164,7 @@ def written_count(result: object, count: int) -> int:
 __all__ = [
     "BlockStore",
     "CheckedStore",
+    "PrefetchStore",
     "ReadIntoStore",
     "StoreCapabilities",
     "prefers_async_load",

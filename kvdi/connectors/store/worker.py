@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # payload bytes per store call (at least one block): stays in L2 between checksum and copy
+READAHEAD_BYTES = 64 << 20  # how far ahead of the chunk being read a store with prefetch() is asked to read
 _IO_THREAD = {"on": True, "off": False, "auto": None}
 
 
@@ -71,6 +72,7 @@ class StoreWorkerConnector(WorkerConnector):
         self._block_bytes = layout.block_bytes
         self._frame_bytes = HEADER_SIZE + layout.block_bytes
         self._chunk = max(1, CHUNK_BYTES // layout.block_bytes)
+        self._readahead = max(self._chunk, READAHEAD_BYTES // layout.block_bytes)  # blocks
         self._io: CacheIO | None = None
         self._tensors: list[torch.Tensor] = []
         self._staging: list[CacheIO] = []  # free host staging for background jobs on a device cache
@@ -216,8 +218,10 @@ class StoreWorkerConnector(WorkerConnector):
         ids, keys = transfer.block_ids, transfer.block_keys
         spans = [(s, min(s + self._chunk, len(ids))) for s in range(0, len(ids), self._chunk)]
         read = partial(read_chunk, self.store, self._read_into, io)
+        readahead = _Readahead(self.capabilities.prefetch, keys, self._readahead)
         ahead = executor.submit(read, ids[: spans[0][1]], keys[: spans[0][1]]) if executor and spans else None
         for k, (start, end) in enumerate(spans):
+            readahead.before(start)
             current: Future[ReadChunk] | None = ahead
             if executor is not None and k + 1 < len(spans):
                 nxt = spans[k + 1]
@@ -360,4 +364,26 @@ class StoreWorkerConnector(WorkerConnector):
         self._io = None
 
 
-__all__ = ["CHUNK_BYTES", "StoreWorkerConnector"]
+class _Readahead:
+    """Keeps a store's ``prefetch`` about ``window`` blocks ahead of the reads of one load, while it pays."""
+
+    def __init__(self, prefetch: Callable[[Sequence[bytes]], bool] | None, keys: Sequence[bytes], window: int) -> None:
+        self._prefetch, self._keys, self._window, self._upto = prefetch, keys, window, 0
+
+    def before(self, start: int) -> None:
+        """Called before reading from block ``start`` on: ask for the blocks up to ``start + window``."""
+        if self._prefetch is None:
+            return
+        end = min(len(self._keys), start + self._window)
+        if end <= self._upto or (self._upto and end - self._upto < self._window // 4):
+            return  # ask in batches of a quarter window at least
+        try:
+            more = self._prefetch(self._keys[self._upto : end])
+        except Exception:  # a hint only
+            more = False
+        self._upto = end
+        if not more:
+            self._prefetch = None  # the objects are in fast memory: reading ahead buys nothing for this load
+
+
+__all__ = ["CHUNK_BYTES", "READAHEAD_BYTES", "StoreWorkerConnector"]
