@@ -38,9 +38,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from kvdi.connectors.logging_once import log_once
+from kvdi.connectors.store.fileio import list_entries, readv_full, writev_full
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer
 from kvdi.connectors.store.integrity import frame_key
-from kvdi.connectors.store.safe_dir import DIR_FLAGS, SafeDir
+from kvdi.connectors.store.safe_dir import SafeDir
 from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ class FileBlockStore:
     def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         def read(_i: int, fd: int, size: int) -> Buffer:
             buf = bytearray(size)
-            got = _readv_full(fd, [memoryview(buf)])
+            got = readv_full(fd, [memoryview(buf)])
             return buf if got == size else memoryview(buf)[:got]
 
         not_an_object: Buffer = b""  # present but not an object: the reader drops it
@@ -129,7 +130,7 @@ class FileBlockStore:
 
         def read(i: int, fd: int, size: int) -> int:
             pieces = items[i][1]
-            return _readv_full(fd, pieces) if size == sum(p.nbytes for p in pieces) else size
+            return readv_full(fd, pieces) if size == sum(p.nbytes for p in pieces) else size
 
         return self._read_objects([key for key, _ in items], read, 0)
 
@@ -250,7 +251,7 @@ class FileBlockStore:
             fd = os.open(tmp, _TEMP_FLAGS, self.mode, dir_fd=sub)
         try:
             try:
-                size = _writev_full(fd, pieces)
+                size = writev_full(fd, pieces)
                 if self.max_bytes:
                     os.utime(fd, ns=(stamp, stamp))
             finally:
@@ -287,12 +288,12 @@ class FileBlockStore:
         objects: list[tuple[int, int, int, str]] = []
         total = 0
         stale_before = time.time_ns() - int(STALE_TEMP_S * 1e9)
-        prefixes = [n for n, st in _entries(self._dirs.open()) if len(n) == 2 and stat.S_ISDIR(st.st_mode)]
+        prefixes = [n for n, st in list_entries(self._dirs.open()) if len(n) == 2 and stat.S_ISDIR(st.st_mode)]
         for prefix in prefixes:
             sub = self._dirs.sub(prefix, create=False)
             if sub is None:
                 continue
-            for name, st in _entries(sub):
+            for name, st in list_entries(sub):
                 if name.startswith("."):
                     if st.st_mtime_ns < stale_before:
                         with contextlib.suppress(OSError):
@@ -341,52 +342,6 @@ class FileBlockStore:
     def close(self) -> None:
         """Close the folder descriptors; the store must not be used afterwards."""
         self._dirs.close()
-
-
-def _entries(dir_fd: int) -> list[tuple[str, os.stat_result]]:
-    """Names and lstat results of a folder's entries, listed through a descriptor of its own (own offset)."""
-    fd = os.open(".", DIR_FLAGS, dir_fd=dir_fd)
-    out: list[tuple[str, os.stat_result]] = []
-    try:
-        with os.scandir(fd) as entries:
-            for entry in entries:
-                with contextlib.suppress(FileNotFoundError):
-                    out.append((entry.name, entry.stat(follow_symlinks=False)))
-    finally:
-        os.close(fd)
-    return out
-
-
-def _advance(bufs: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes from ``bufs`` after a short vectored read or write."""
-    while bufs and n >= bufs[0].nbytes:
-        n -= bufs.pop(0).nbytes
-    if n:
-        bufs[0] = bufs[0][n:]
-
-
-def _readv_full(fd: int, pieces: Sequence[memoryview]) -> int:
-    """Fill ``pieces`` from ``fd``; returns bytes read (less than asked only at end of file)."""
-    bufs = [p for p in pieces if p.nbytes]
-    done = 0
-    while bufs:
-        n = os.readv(fd, bufs)
-        if n == 0:
-            break
-        done += n
-        _advance(bufs, n)
-    return done
-
-
-def _writev_full(fd: int, pieces: Sequence[Buffer]) -> int:
-    """Write all ``pieces`` to ``fd`` (retrying short writes); returns bytes written."""
-    bufs = [v for v in (memoryview(p).cast("B") for p in pieces) if v.nbytes]
-    done = 0
-    while bufs:
-        n = os.writev(fd, bufs)
-        done += n
-        _advance(bufs, n)
-    return done
 
 
 def open_store(options: SharedStorageSettings, layout: KVCacheSpec, settings: KvdiSettings) -> FileBlockStore:

@@ -1,0 +1,63 @@
+"""Vectored file I/O for file-backed stores: whole reads and writes over several buffers, folder listings.
+
+Short reads and writes are retried from where they stopped; nothing here follows a symlink
+(listings go through a descriptor of the folder, entries are ``lstat``-ed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+
+from kvdi.connectors.store.framing import Buffer
+from kvdi.connectors.store.safe_dir import DIR_FLAGS
+
+
+def list_entries(dir_fd: int) -> list[tuple[str, os.stat_result]]:
+    """Names and lstat results of a folder's entries, listed through a descriptor of its own (own offset)."""
+    fd = os.open(".", DIR_FLAGS, dir_fd=dir_fd)
+    out: list[tuple[str, os.stat_result]] = []
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                with contextlib.suppress(FileNotFoundError):
+                    out.append((entry.name, entry.stat(follow_symlinks=False)))
+    finally:
+        os.close(fd)
+    return out
+
+
+def advance(bufs: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes from ``bufs`` after a short vectored read or write."""
+    while bufs and n >= bufs[0].nbytes:
+        n -= bufs.pop(0).nbytes
+    if n:
+        bufs[0] = bufs[0][n:]
+
+
+def readv_full(fd: int, pieces: Sequence[memoryview]) -> int:
+    """Fill ``pieces`` from ``fd``; returns bytes read (less than asked only at end of file)."""
+    bufs = [p for p in pieces if p.nbytes]
+    done = 0
+    while bufs:
+        n = os.readv(fd, bufs)
+        if n == 0:
+            break
+        done += n
+        advance(bufs, n)
+    return done
+
+
+def writev_full(fd: int, pieces: Sequence[Buffer]) -> int:
+    """Write all ``pieces`` to ``fd`` (retrying short writes); returns bytes written."""
+    bufs = [v for v in (memoryview(p).cast("B") for p in pieces) if v.nbytes]
+    done = 0
+    while bufs:
+        n = os.writev(fd, bufs)
+        done += n
+        advance(bufs, n)
+    return done
+
+
+__all__ = ["advance", "list_entries", "readv_full", "writev_full"]
