@@ -305,3 +305,47 @@ def test_hellos_without_a_proof_do_not_delay_a_valid_consumer() -> None:
         stop(procs)
     assert loaded == {"matched": LOADED * 4, "errors": [], "same": True}
     assert producer_report["broken"] is None and producer_report["rejected"] == 0
+
+
+# -- a token is required off loopback --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_a_pair_reachable_from_the_network_needs_a_token(role: str) -> None:
+    """kv_ip 192.0.2.1 (a documentation address, nothing answers there): refused before any socket."""
+    from kvdi.containers import build_kv_container
+    from kvdi.errors import ConfigError
+    from kvdi.settings import load_settings
+
+    p2p = {"kv_ip": "192.0.2.1", "kv_port": free_port(), "kv_rank": 0 if role == "kv_producer" else 1}
+    settings = load_settings(
+        kv_connector="p2p",
+        kv_role=role,
+        p2p=p2p | {"connect_timeout_s": 30.0},
+        model={"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "hidden_size": 32},
+        allocator={"device": "cpu", "num_blocks": 16, "block_size": 4},
+    )
+    container = build_kv_container(settings)
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        container.backend()
+    assert time.monotonic() - started < 10.0  # refused up front, not after a connect timeout
+    message = str(info.value)
+    assert "KVDI_P2P__KV_IP='192.0.2.1'" in message and "KVDI_P2P__AUTH_TOKEN" in message
+
+
+@pytest.mark.parametrize(
+    ("kv_ip", "token", "refused"),
+    [("127.0.0.1", False, False), ("localhost", False, False), ("::1", False, False), ("10.1.2.3", True, False),
+     ("10.1.2.3", False, True), ("0.0.0.0", False, True), ("x" * 300, False, True)],
+)  # fmt: skip
+def test_require_token(kv_ip: str, token: bool, refused: bool) -> None:
+    from kvdi.connectors.p2p.rendezvous import require_token
+    from kvdi.errors import ConfigError
+
+    if not refused:
+        require_token(kv_ip, token)
+        return
+    with pytest.raises(ConfigError, match="KVDI_P2P__AUTH_TOKEN") as info:
+        require_token(kv_ip, token)
+    assert len(str(info.value)) < 400  # a long kv_ip is cut, not echoed whole
