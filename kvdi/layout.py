@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvdi.settings import KvdiSettings
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Version of kvdi's stored-KV format (frame header and payload order); bump on any change."""
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -39,8 +39,8 @@ def test_fingerprint_changes_with_the_format_version(monkeypatch: pytest.MonkeyP
 
 
 def test_frames_carry_the_layout_format_version() -> None:
-    header = frame_header(bytes(16), [b"payload"])
-    assert struct.unpack_from("<H", header, 4)[0] == FORMAT_VERSION == 2
+    header = frame_header(bytes(16), [b"payload"], name=bytes(16))
+    assert struct.unpack_from("<H", header, 4)[0] == FORMAT_VERSION == 3
 
 
 def test_the_layout_is_exported_at_the_top_and_imports_no_torch() -> None:

@@ -53,7 +53,9 @@ def block_costs(tmp: Path, n: int = 200) -> dict[str, float]:
             off += layer.shape[1]
         t1 = time.perf_counter()
         pieces = [memoryview(layer[b]) for layer in cache]
-        store.put_many([(b.to_bytes(16, "big"), [frame_header(layout.fingerprint(), pieces), *pieces])])
+        store.put_many(
+            [(b.to_bytes(16, "big"), [frame_header(layout.fingerprint(), pieces, name=b.to_bytes(16, "big")), *pieces])]
+        )
         t2 = time.perf_counter()
         copy.append(t1 - t0)
         write.append(t2 - t1)

@@ -24,6 +24,7 @@ from kvdi.connectors.store.framing import FrameKey, frame_header, unframe
 
 BLOCK = 1 << 20
 FINGERPRINT = bytes(16)
+NAME = bytes(range(16))  # the block key every bench frame is stored under
 BENCH_KEY = "kvdi bench integrity key (not a secret)"
 
 
@@ -50,20 +51,20 @@ def bench_frames(num_blocks: int, repeats: int) -> list[BenchResult]:
     """Framing alone: header on save, verification on load, keyed next to unkeyed."""
     key = FrameKey(BENCH_KEY.encode())
     payloads = [os.urandom(BLOCK) for _ in range(num_blocks)]
-    plain = [frame_header(FINGERPRINT, p) + p for p in payloads]
-    keyed = [frame_header(FINGERPRINT, p, key) + p for p in payloads]
+    plain = [frame_header(FINGERPRINT, p, name=NAME) + p for p in payloads]
+    keyed = [frame_header(FINGERPRINT, p, key, name=NAME) + p for p in payloads]
 
     def save(k: FrameKey | None) -> Callable[[], None]:
         def run() -> None:
             for p in payloads:
-                frame_header(FINGERPRINT, p, k)
+                frame_header(FINGERPRINT, p, k, name=NAME)
 
         return run
 
     def load(frames: list[bytes], k: FrameKey | None) -> Callable[[], None]:
         def run() -> None:
             for f in frames:
-                unframe(f, FINGERPRINT, BLOCK, k)
+                unframe(f, FINGERPRINT, BLOCK, k, name=NAME)
 
         return run
 

@@ -49,7 +49,9 @@ def test_key_file_gives_the_same_key_as_the_value(tmp_path: Path) -> None:
     payload = bytes(16)
     from_file = frame_key(make_settings(integrity_key_file=key_file(tmp_path)))
     from_value = frame_key(make_settings(integrity_key=SECRET))
-    assert frame_header(bytes(16), payload, from_file) == frame_header(bytes(16), payload, from_value)
+    assert frame_header(bytes(16), payload, from_file, name=b"k" * 16) == frame_header(
+        bytes(16), payload, from_value, name=b"k" * 16
+    )
 
 
 @pytest.mark.parametrize(
@@ -105,7 +107,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore
 def forge(store: BlockStore, key: bytes) -> bytes:
     """What a writer with access to the store but not the key can do: a well-framed object of its choosing."""
     payload = b"\x7f" * LAYOUT.block_bytes
-    store.put_many([(key, [frame_header(LAYOUT.fingerprint(), payload), payload])])
+    store.put_many([(key, [frame_header(LAYOUT.fingerprint(), payload, name=key), payload])])
     return payload
 
 

@@ -319,10 +319,15 @@ def small_layout() -> Any:
     return KVCacheSpec("kvdi-test", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 
 
-def receive_locally(frames_: Frames, receiver: CacheReceiver, targets: list[int]) -> LayerSink:
-    """What the channel does with each layer message, without the network."""
+def block_names(ids: list[int]) -> list[bytes]:
+    """The block keys the frames of blocks ``ids`` are made for (and asked for) in these tests."""
+    return [bytes([i]) * 16 for i in ids]
+
+
+def receive_locally(frames_: Frames, receiver: CacheReceiver, targets: list[int], sent: list[int]) -> LayerSink:
+    """What the channel does with each layer message, without the network (``sent``: the source block ids)."""
     buffers, direct = receiver.buffers(targets)
-    sink = receiver.receiving(buffers, targets, direct)
+    sink = receiver.receiving(buffers, targets, direct, block_names(sent))
     for layer, buf in enumerate(buffers):
         buf.copy_(frames_.layers[layer])
         sink(layer, 0, 1)  # in two parts, as the channel may deliver them
@@ -335,9 +340,9 @@ def test_blocks_arrive_in_the_consumer_cache_intact(targets: list[int]) -> None:
     layout = small_layout()
     source, dest = random_caches(layout, seed=1), random_caches(layout, seed=2)
     names = list(layout.layer_names)
-    sent = gather_frames([source[n] for n in names], [5, 6, 7], layout)
+    sent = gather_frames([source[n] for n in names], [5, 6, 7], layout, names=block_names([5, 6, 7]))
     receiver = CacheReceiver([dest[n] for n in names], layout, torch.device("cpu"))
-    sink = receive_locally(sent, receiver, targets)
+    sink = receive_locally(sent, receiver, targets, [5, 6, 7])
     assert sink.direct == (targets == [1, 2, 3])
     assert sink.verdicts(sent.headers) == [None, None, None]
     for n in names:
@@ -347,9 +352,9 @@ def test_blocks_arrive_in_the_consumer_cache_intact(targets: list[int]) -> None:
 def test_a_wire_block_is_the_frame_every_store_holds() -> None:
     layout = small_layout()
     caches = random_caches(layout, seed=1)
-    sent = gather_frames([caches[n] for n in layout.layer_names], [4], layout)
+    sent = gather_frames([caches[n] for n in layout.layer_names], [4], layout, names=block_names([4]))
     frame = sent.headers.numpy().tobytes() + b"".join(sent.layers[i].numpy().tobytes() for i in range(2))
-    payload = unframe(frame, layout.fingerprint(), layout.block_bytes)
+    payload = unframe(frame, layout.fingerprint(), layout.block_bytes, name=block_names([4])[0])
     assert bytes(payload) == b"".join(caches[n][4].numpy().tobytes() for n in layout.layer_names)
 
 
@@ -357,10 +362,10 @@ def test_a_corrupted_byte_fails_only_its_block() -> None:
     layout = small_layout()
     source, dest = random_caches(layout, seed=1), random_caches(layout, seed=2)
     names = list(layout.layer_names)
-    sent = gather_frames([source[n] for n in names], [5, 6, 7], layout)
+    sent = gather_frames([source[n] for n in names], [5, 6, 7], layout, names=block_names([5, 6, 7]))
     sent.layers[1, layout.layer_block_bytes + 3] ^= 0xFF  # block 1, layer 1
     receiver = CacheReceiver([dest[n] for n in names], layout, torch.device("cpu"))
-    verdicts = receive_locally(sent, receiver, [1, 2, 3]).verdicts(sent.headers)
+    verdicts = receive_locally(sent, receiver, [1, 2, 3], [5, 6, 7]).verdicts(sent.headers)
     assert verdicts[0] is None and verdicts[2] is None
     assert isinstance(verdicts[1], CorruptObjectError) and verdicts[1].reason == "checksum"
 
@@ -378,10 +383,16 @@ def test_a_keyed_reader_accepts_only_frames_maced_under_its_key(
     layout = small_layout()
     source, dest = random_caches(layout, seed=1), random_caches(layout, seed=2)
     names = list(layout.layer_names)
-    sent = gather_frames([source[n] for n in names], [5, 6], layout, FrameKey(sender.encode()) if sender else None)
+    sent = gather_frames(
+        [source[n] for n in names],
+        [5, 6],
+        layout,
+        FrameKey(sender.encode()) if sender else None,
+        names=block_names([5, 6]),
+    )
     key = FrameKey(reader.encode()) if reader else None
     receiver = CacheReceiver([dest[n] for n in names], layout, torch.device("cpu"), key=key)
-    verdicts = receive_locally(sent, receiver, [1, 2]).verdicts(sent.headers)
+    verdicts = receive_locally(sent, receiver, [1, 2], [5, 6]).verdicts(sent.headers)
     assert [v.reason if v else None for v in verdicts] == [problem, problem]
 
 
@@ -393,9 +404,11 @@ def test_the_receivers_staging_comes_from_the_allocator_one_buffer_per_layer() -
     names = list(layout.layer_names)
     staging = StagingBuffers(pin_memory=False)
     receiver = CacheReceiver([dest[n] for n in names], layout, torch.device("cpu"), staging)
-    sent = gather_frames([source[n] for n in names], [5, 6, 7], layout)
-    assert receive_locally(sent, receiver, [1, 2, 3]).direct and staging.nbytes == {}  # straight into the cache
-    sink = receive_locally(sent, receiver, [3, 1, 2])
+    sent = gather_frames([source[n] for n in names], [5, 6, 7], layout, names=block_names([5, 6, 7]))
+    assert (
+        receive_locally(sent, receiver, [1, 2, 3], [5, 6, 7]).direct and staging.nbytes == {}
+    )  # straight into the cache
+    sink = receive_locally(sent, receiver, [3, 1, 2], [5, 6, 7])
     assert not sink.direct and sink.verdicts(sent.headers) == [None, None, None]
     assert staging.nbytes == {"cpu": 2 * 3 * layout.layer_block_bytes}  # two layers, three blocks each
     assert all(b.data_ptr() == s.data_ptr() for b, s in zip(staging.buffers, sink.buffers, strict=True))

@@ -37,9 +37,9 @@ StoreFactory = Callable[..., RedisBlockStore]
 
 
 def framed(i: int, size: int = 4096) -> tuple[bytes, bytes]:
-    """A (header, payload) pair like the generic worker writes."""
+    """A (header, payload) pair like the generic worker writes, for block key ``KEYS[i]``."""
     payload = bytes((i * 7 + j) % 251 for j in range(size))
-    return frame_header(FINGERPRINT, payload), payload
+    return frame_header(FINGERPRINT, payload, name=KEYS[i]), payload
 
 
 @pytest.fixture
@@ -79,11 +79,11 @@ def test_store_satisfies_the_block_store_protocol(make_store: StoreFactory) -> N
 
 def test_round_trip_returns_the_whole_frame(make_store: StoreFactory) -> None:
     store = make_store()
-    header, payload = framed(1)
+    header, payload = framed(0)
     store.put_many([(KEYS[0], [header, payload])])
     (got,) = store.get_many([KEYS[0]])
     assert got is not None
-    assert bytes(unframe(got, FINGERPRINT, len(payload))) == payload
+    assert bytes(unframe(got, FINGERPRINT, len(payload), name=KEYS[0])) == payload
 
 
 def test_absent_keys_read_as_none(make_store: StoreFactory) -> None:

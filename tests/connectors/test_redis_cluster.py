@@ -42,7 +42,7 @@ FAST = {"connect_timeout_s": 0.5, "op_timeout_s": 0.5, "breaker_failures": 1, "b
 
 def framed(i: int) -> list[bytes]:
     payload = bytes([i % 251]) * 512
-    return [frame_header(FINGERPRINT, payload), payload]
+    return [frame_header(FINGERPRINT, payload, name=KEYS[i % len(KEYS)]), payload]
 
 
 def _cluster(masters: int = 3, replicas: int = 0) -> RedisClusterServers:

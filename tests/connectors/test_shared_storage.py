@@ -133,7 +133,7 @@ def test_wrong_format_version_is_dropped_and_counted(store: FileBlockStore) -> N
 def test_object_of_a_foreign_layout_under_our_key_is_dropped(store: FileBlockStore) -> None:
     foreign = small_layout(block_size=4, model_id="another-model")  # same size, other fingerprint
     payload = bytes(LAYOUT.block_bytes)
-    store.put_many([(KEYS[0], [frame_header(foreign.fingerprint(), payload), payload])])
+    store.put_many([(KEYS[0], [frame_header(foreign.fingerprint(), payload, name=KEYS[0]), payload])])
     engine, _, errors = consume(store)
     assert errors == {1, 2, 3, 4}
     assert engine.worker.stats.corrupt_dropped == 1

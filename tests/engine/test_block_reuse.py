@@ -100,9 +100,11 @@ def test_every_object_stored_under_block_reuse_matches_a_recompute(
         keys = block_keys(prompt, layout)
         expected = reference_blocks(reference, prompt)
         for tier in tiers(store):
-            for want, obj in zip(expected, tier.get_many(keys), strict=True):
+            for want, obj, key in zip(expected, tier.get_many(keys), keys, strict=True):
                 assert obj is not None
-                payload = unframe(obj, fingerprint, layout.block_bytes)  # raises if the checksum does not hold
+                payload = unframe(
+                    obj, fingerprint, layout.block_bytes, name=key
+                )  # raises if the checksum does not hold
                 got = torch.frombuffer(bytearray(payload), dtype=want.dtype)
                 torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
                 checked += 1

@@ -108,7 +108,7 @@ def test_loaded_kv_is_what_attention_reads(
     victim = block_file(store, prompts[0], 0)
     fingerprint = victim.read_bytes()[8:24]
     payload = block_file(store, prompts[1], 0).read_bytes()[HEADER_SIZE:]
-    victim.write_bytes(frame_header(fingerprint, payload) + payload)
+    victim.write_bytes(frame_header(fingerprint, payload, name=victim.read_bytes()[24:40]) + payload)
 
     result, stats = _consumer(work, "swapped", base_spec, store)
 

@@ -55,7 +55,7 @@ from kvdi.connectors.p2p.protocol import (
     Session,
     tag,
 )
-from kvdi.connectors.p2p.rendezvous import host_store, is_loopback, join_store
+from kvdi.connectors.p2p.rendezvous import host_store, join_store, require_token
 from kvdi.connectors.p2p.serving import Server
 from kvdi.connectors.p2p.watchdog import Watchdog
 from kvdi.connectors.store.framing import HEADER_SIZE
@@ -110,12 +110,7 @@ class P2pChannel:
         self.layer_bytes = layout.layer_block_bytes
         self.held = HeldBlocks(options.hold_s, options.max_held_bytes)
         self._token = options.auth_token.get_secret_value().encode() if options.auth_token else None
-        if self._token is None and not is_loopback(options.kv_ip):
-            logger.warning(
-                "p2p on %s without KVDI_P2P__AUTH_TOKEN: any host that reaches this address can read and "
-                "disturb the pair; set a shared token",
-                self.where,
-            )
+        require_token(options.kv_ip, self._token is not None)  # off loopback, a token is not optional
         self._timeout = timedelta(seconds=options.timeout_s)
         self._connect_timeout = timedelta(seconds=options.connect_timeout_s)
         self._broken: str | None = None

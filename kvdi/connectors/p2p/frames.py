@@ -6,8 +6,8 @@ layer ``l`` of all blocks of a fetch as one message: when the consumer's target 
 consecutive, that message lands straight in ``cache_l[first:first + count]`` (no copy);
 otherwise in a reusable staging buffer taken from the engine's allocator (``context.staging``),
 then one ``index_copy_`` per layer. Each block is checked against its frame header (layout
-fingerprint, length, xxh3 of all its layers; with ``KVDI_INTEGRITY_KEY`` the frame's keyed MAC
-instead), hashed layer by layer as the layers arrive.
+fingerprint, the block key asked for, length, xxh3 of all its layers; with ``KVDI_INTEGRITY_KEY``
+the frame's keyed MAC instead), hashed layer by layer as the layers arrive.
 """
 
 from __future__ import annotations
@@ -28,13 +28,21 @@ if TYPE_CHECKING:
 
 
 def gather_frames(
-    caches: Sequence[torch.Tensor], block_ids: Sequence[int], layout: KVCacheSpec, key: FrameKey | None = None
+    caches: Sequence[torch.Tensor],
+    block_ids: Sequence[int],
+    layout: KVCacheSpec,
+    key: FrameKey | None = None,
+    *,
+    names: Sequence[bytes],
 ) -> Frames:
-    """Copy blocks out of the paged caches into host frames (one copy per layer, then the headers, MACed
-    with ``key``). The frames own their bytes: the cache blocks may be reused as soon as this returns."""
+    """Copy blocks out of the paged caches into host frames (one copy per layer, then the headers of the
+    block keys ``names``, MACed with ``key``). The frames own their bytes: the cache blocks may be reused
+    as soon as this returns."""
     import torch
 
     n, lb = len(block_ids), layout.layer_block_bytes
+    if len(names) != n:
+        raise ValueError(f"{n} blocks need {n} names, got {len(names)}")
     layers = torch.empty((len(caches), n * lb), dtype=torch.uint8)
     ids = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
     for layer, cache in enumerate(caches):
@@ -48,7 +56,7 @@ def gather_frames(
     fingerprint = layout.fingerprint()
     for i in range(n):
         pieces = [raw[layer, i * lb : (i + 1) * lb].data for layer in range(len(caches))]
-        header = frame_header(fingerprint, pieces, key)
+        header = frame_header(fingerprint, pieces, key, name=names[i])
         headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] = np.frombuffer(header, dtype=np.uint8)
     return Frames(layers, torch.from_numpy(headers))
 
@@ -102,18 +110,30 @@ class CacheReceiver:
             ]
         return [s[:need] for s in self._staging], False
 
-    def receiving(self, buffers: Sequence[torch.Tensor], targets: Sequence[int], direct: bool) -> LayerSink:
-        """What to do with each layer as it arrives: hash it per block, and copy it into the cache if staged."""
-        return LayerSink(self, buffers, targets, direct)
+    def receiving(
+        self, buffers: Sequence[torch.Tensor], targets: Sequence[int], direct: bool, names: Sequence[bytes]
+    ) -> LayerSink:
+        """What to do with each layer as it arrives: hash it per block, and copy it into the cache if staged.
+        ``names``: the block keys asked for, one per target (each frame must name its own)."""
+        return LayerSink(self, buffers, targets, direct, names)
 
 
 class LayerSink:
     """Per-layer work of one fetch, done while later layers are still on the wire."""
 
     def __init__(
-        self, receiver: CacheReceiver, buffers: Sequence[torch.Tensor], targets: Sequence[int], direct: bool
+        self,
+        receiver: CacheReceiver,
+        buffers: Sequence[torch.Tensor],
+        targets: Sequence[int],
+        direct: bool,
+        names: Sequence[bytes],
     ) -> None:
         import torch
+
+        if len(names) != len(targets):
+            raise ValueError(f"{len(targets)} target blocks need {len(targets)} names, got {len(names)}")
+        self.names = list(names)
 
         self.receiver = receiver
         self.buffers = buffers
@@ -140,7 +160,7 @@ class LayerSink:
         out: list[CorruptObjectError | None] = []
         for i, hasher in enumerate(self._hashers):
             try:
-                hasher.verify(head[i * HEADER_SIZE : (i + 1) * HEADER_SIZE].data, fingerprint, size)
+                hasher.verify(head[i * HEADER_SIZE : (i + 1) * HEADER_SIZE].data, fingerprint, size, name=self.names[i])
                 out.append(None)
             except CorruptObjectError as exc:
                 out.append(exc)

@@ -11,7 +11,8 @@ hello carries nothing else, and each side sends a proof: ``HMAC-SHA256(token, pu
 only the role, the backend and that a token is needed, and cannot compute a proof; the layout
 proof says whether the layouts match without showing either. Both then derive the session key
 ``HMAC(token, "session" | nonces)`` that names blocks and signs queue messages
-(:class:`~kvdi.connectors.p2p.protocol.Session`).
+(:class:`~kvdi.connectors.p2p.protocol.Session`). The producer's ``ok`` carries
+``HMAC(token, "verdict|ok" | nonces)``, so no one without the token can accept a consumer.
 """
 
 from __future__ import annotations
@@ -97,6 +98,11 @@ def session_key(token: bytes, mine: dict[str, Any], peer: dict[str, Any]) -> byt
     return hmac.new(token, b"session|" + _nonces(mine, peer), hashlib.sha256).digest()
 
 
+def verdict_mac(token: bytes, hello: dict[str, Any], other: dict[str, Any]) -> str:
+    """The MAC of the producer's ``ok`` to one consumer (``hello`` and ``other``: the two hellos, either order)."""
+    return hmac.new(token, b"verdict|ok|" + _nonces(hello, other), hashlib.sha256).hexdigest()
+
+
 def json_text(message: dict[str, Any]) -> str:
     """A hello or proof as stored."""
     return json.dumps(message)
@@ -171,4 +177,5 @@ __all__ = [
     "proofs",
     "refuse",
     "session_key",
+    "verdict_mac",
 ]

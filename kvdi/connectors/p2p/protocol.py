@@ -4,7 +4,7 @@ All keys live under ``kvdi/p2p/``. The producer publishes ``has/<name>`` for eve
 holds; the consumer pushes requests (``{"seq", "keys"}``) and acknowledgements (``{"ack"}``)
 onto the ``requests`` queue. Anyone who reaches the store's port can push anything there, so
 the producer decodes every message with :meth:`Session.decode`, which accepts only the exact
-shapes above (types, sizes, hex lengths, a sequence number that only grows) and, when the pair
+shapes above (types, sizes, hex lengths, the next sequence number and no other) and, when the pair
 shares an auth token, a valid HMAC-SHA256 over the message under the session key. With a
 token, block keys never appear in the store: both sides use ``HMAC(session, key)`` as a
 block's name, so a reader of the store cannot tell which prompts are held.
@@ -107,7 +107,11 @@ class Session:
     def decode(self, raw: object) -> Request | Ack:
         """Check one queue message strictly; raises :class:`BadMessage` for anything else.
 
-        A request's ``seq`` must be larger than every request accepted before (no replays).
+        A request's ``seq`` must be the next one: one more than the last request accepted (the
+        consumer numbers its fetches 1, 2, 3, ... and stops for good at its first failure). An older
+        one is a replay (``replay``); a later one (``order``) is dropped too, so a forged request with
+        an absurd sequence number, signed or not, neither makes the producer send into the void nor
+        moves the counter past the consumer's next fetch.
         """
         if not isinstance(raw, bytes | bytearray):
             raise BadMessage("type", f"a {type(raw).__name__}, not bytes")
@@ -136,6 +140,8 @@ class Session:
         names = tuple(_name(k) for k in keys)
         if seq <= self._last_seq:
             raise BadMessage("replay", f"seq {seq} after {self._last_seq}")
+        if seq != self._last_seq + 1:
+            raise BadMessage("order", f"seq {seq} is not the next fetch ({self._last_seq + 1})")
         self._last_seq = seq
         return Request(seq, names)
 

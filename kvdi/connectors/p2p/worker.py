@@ -152,7 +152,7 @@ class P2pWorkerConnector(WorkerConnector):
         if rows:
             targets = [ids[i] for i in rows]
             buffers, direct = receiver.buffers(targets)
-            sink = receiver.receiving(buffers, targets, direct)
+            sink = receiver.receiving(buffers, targets, direct, [keys[i] for i in rows])
             self.channel.receive(answer, buffers, sink)
             for row, problem in zip(rows, sink.verdicts(answer.headers), strict=True):
                 good[row] = problem is None
@@ -181,7 +181,9 @@ class P2pWorkerConnector(WorkerConnector):
                 if self.channel.broken is not None:
                     self.stats.save_failures += 1
                     continue
-                self.channel.hold(t.block_keys, gather_frames(self._caches, t.block_ids, self.layout, self._key))
+                self.channel.hold(
+                    t.block_keys, gather_frames(self._caches, t.block_ids, self.layout, self._key, names=t.block_keys)
+                )
                 self.stats.saved_blocks += len(t.block_ids)
                 self.stats.saved_bytes += len(t.block_ids) * self.layout.block_bytes
 

@@ -1,19 +1,23 @@
 """The object format every backend stores: a fixed header, then one block's KV for all layers.
 
-Header (72 bytes, little-endian)::
+Header (88 bytes, little-endian)::
 
     magic     4s   b"KVDI"
-    version   u16  FRAME_VERSION (2: the MAC field below was added)
+    version   u16  FRAME_VERSION (2: the MAC field was added; 3: the name field was added)
     flags     u16  bit 0 (FLAG_MAC): the frame carries a keyed MAC; no other bit is defined
     layout    16s  KVCacheSpec.fingerprint()
+    name      16s  the block key the object is stored under (BLAKE2b-128 of it when not 16 bytes)
     length    u64  payload bytes
-    checksum  u64  xxh3_64 of the payload (always written)
-    mac       32s  HMAC-SHA256(key, payload || header[:40]) when FLAG_MAC is set, else 32 zero bytes
+    checksum  u64  xxh3_64(payload || header[:48]) (always written; covers the name)
+    mac       32s  HMAC-SHA256(key, payload || header[:56]) when FLAG_MAC is set, else 32 zero bytes
 
 The payload is layer 0's block (K then V), layer 1's block, ... contiguous, exactly
 ``layout.block_bytes`` long. A reader checks every header field and then the payload and
 raises :class:`CorruptObjectError` with a short ``reason`` for the first thing that is off,
-so any single corrupted byte anywhere in an unkeyed frame is detected.
+so any single corrupted byte anywhere in an unkeyed frame is detected. A frame names the block
+key it was written for and every reader passes the key it looked up (``name=``): an object
+copied or renamed under another block's name (another prompt, salt, rank or layout) is a miss
+(reason ``name``), with or without a key.
 
 The checksum stops accidents, not a writer with access to the store. With a
 :class:`FrameKey` (``KVDI_INTEGRITY_KEY``), writers add the keyed MAC and readers accept only
@@ -39,15 +43,17 @@ MAGIC = b"KVDI"
 FINGERPRINT_BYTES = 16
 MAC_BYTES = 32
 FLAG_MAC = 1
-_FIELDS = struct.Struct("<4sHH16sQQ")  # everything the MAC covers besides the payload
-_HEADER = struct.Struct(f"<4sHH16sQQ{MAC_BYTES}s")
-HEADER_SIZE = _HEADER.size  # 72: keeps the payload 8-byte aligned
+NAME_BYTES = 16
+_CHECKED = struct.Struct("<4sHH16s16sQ")  # everything the checksum covers besides the payload
+_FIELDS = struct.Struct("<4sHH16s16sQQ")  # everything the MAC covers besides the payload
+_HEADER = struct.Struct(f"<4sHH16s16sQQ{MAC_BYTES}s")
+HEADER_SIZE = _HEADER.size  # 88: keeps the payload 8-byte aligned
 _NO_MAC = bytes(MAC_BYTES)
 MIN_KEY_BYTES = 16
 
 Buffer = bytes | bytearray | memoryview
 
-REASONS = ("magic", "version", "header", "fingerprint", "length", "checksum", "mac")
+REASONS = ("magic", "version", "header", "fingerprint", "name", "length", "checksum", "mac")
 
 
 class CorruptObjectError(KvdiError):
@@ -91,36 +97,51 @@ def checksum(pieces: Sequence[Buffer]) -> int:
     return int(h.intdigest())
 
 
-def pack_header(fingerprint: bytes, length: int, digest: int, flags: int = 0, mac: bytes = _NO_MAC) -> bytes:
-    """A header for a payload of ``length`` bytes whose xxh3_64 is ``digest`` (``mac`` only with FLAG_MAC)."""
+def name_field(name: Buffer) -> bytes:
+    """What a header stores for block key ``name``: the key itself when it has 16 bytes, else its BLAKE2b-128."""
+    raw = bytes(name)
+    if len(raw) == NAME_BYTES:
+        return raw
+    return hashlib.blake2b(raw, digest_size=NAME_BYTES, person=b"kvdi-frame-name").digest()
+
+
+def pack_header(
+    fingerprint: bytes, name: Buffer, length: int, digest: int, flags: int = 0, mac: bytes = _NO_MAC
+) -> bytes:
+    """A header for a payload of ``length`` bytes stored under ``name`` whose frame checksum is ``digest``."""
     if len(fingerprint) != FINGERPRINT_BYTES:
         raise ValueError(f"layout fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
-    return _HEADER.pack(MAGIC, FRAME_VERSION, flags, fingerprint, length, digest, mac)
+    return _HEADER.pack(MAGIC, FRAME_VERSION, flags, fingerprint, name_field(name), length, digest, mac)
 
 
-def frame_header(fingerprint: bytes, payload: Buffer | Sequence[Buffer], key: FrameKey | None = None) -> bytes:
-    """The header to write before ``payload`` (one buffer, or pieces stored back to back); MACed with ``key``."""
+def frame_header(
+    fingerprint: bytes, payload: Buffer | Sequence[Buffer], key: FrameKey | None = None, *, name: Buffer
+) -> bytes:
+    """The header to write before ``payload`` (one buffer, or pieces stored back to back) stored under the
+    block key ``name``; MACed with ``key``. The checksum and the MAC both cover the name."""
     pieces: Sequence[Buffer] = [payload] if isinstance(payload, bytes | bytearray | memoryview) else payload
     length = sum(memoryview(p).nbytes for p in pieces)
-    digest = checksum(pieces)
+    flags = 0 if key is None else FLAG_MAC
+    checked = _CHECKED.pack(MAGIC, FRAME_VERSION, flags, fingerprint, name_field(name), length)
+    digest = checksum([*pieces, checked])
     if key is None:
-        return pack_header(fingerprint, length, digest)
+        return pack_header(fingerprint, name, length, digest)
     mac = key.mac()
     for piece in pieces:
         mac.update(piece)
-    mac.update(_FIELDS.pack(MAGIC, FRAME_VERSION, FLAG_MAC, fingerprint, length, digest))
-    return pack_header(fingerprint, length, digest, FLAG_MAC, mac.digest())
+    mac.update(checked + digest.to_bytes(8, "little"))
+    return pack_header(fingerprint, name, length, digest, FLAG_MAC, mac.digest())
 
 
-def check_header(header: Buffer, fingerprint: bytes, expected_len: int) -> int:
-    """Validate a header against this layout; return the payload checksum it promises.
+def check_header(header: Buffer, fingerprint: bytes, expected_len: int, *, name: Buffer) -> int:
+    """Validate a header against this layout and the block key ``name``; return the checksum it promises.
 
-    This checks the fields only (a MAC needs the payload: see :class:`PayloadHasher`).
+    This checks the fields only (checksum and MAC need the payload: see :class:`PayloadHasher`).
     """
     view = memoryview(header).cast("B")
     if view.nbytes < HEADER_SIZE:
         raise CorruptObjectError("length", f"object of {view.nbytes} B is shorter than a {HEADER_SIZE} B header")
-    magic, version, flags, layout, length, digest, mac = _HEADER.unpack_from(view)
+    magic, version, flags, layout, stored_name, length, digest, mac = _HEADER.unpack_from(view)
     if magic != MAGIC:
         raise CorruptObjectError("magic", f"expected {MAGIC!r}, got {bytes(magic)!r}")
     if version != FRAME_VERSION:
@@ -131,6 +152,8 @@ def check_header(header: Buffer, fingerprint: bytes, expected_len: int) -> int:
         raise CorruptObjectError("header", "the MAC flag and the MAC field disagree")
     if layout != fingerprint:
         raise CorruptObjectError("fingerprint", "object was written for another KV layout (model, dtype or block size)")
+    if stored_name != name_field(name):
+        raise CorruptObjectError("name", "object was written for another block (copied or renamed in the store)")
     if length != expected_len:
         raise CorruptObjectError("length", f"header says {length} B of payload, layout needs {expected_len} B")
     return int(digest)
@@ -156,15 +179,18 @@ class PayloadHasher:
         elif self._xxh is not None:
             self._xxh.update(piece)
 
-    def verify(self, header: Buffer, fingerprint: bytes, expected_len: int) -> None:
-        """Raise :class:`CorruptObjectError` unless header and payload form a valid frame for this reader."""
-        digest = check_header(header, fingerprint, expected_len)
+    def verify(self, header: Buffer, fingerprint: bytes, expected_len: int, *, name: Buffer) -> None:
+        """Raise :class:`CorruptObjectError` unless header and payload form a valid frame of block ``name``."""
+        digest = check_header(header, fingerprint, expected_len, name=name)
         if self.nbytes != expected_len:
             raise CorruptObjectError("length", f"read {self.nbytes} B of payload, expected {expected_len} B")
         view = memoryview(header).cast("B")
         if self._mac is None:
-            if self._xxh is None or self._xxh.intdigest() != digest:
-                raise CorruptObjectError("checksum", "payload does not match its xxh3_64 checksum")
+            if self._xxh is None:
+                raise CorruptObjectError("checksum", "payload does not match its frame checksum")
+            self._xxh.update(view[: _CHECKED.size])
+            if self._xxh.intdigest() != digest:
+                raise CorruptObjectError("checksum", "payload does not match its frame checksum")
             return
         if view[6] & FLAG_MAC == 0:
             raise CorruptObjectError("mac", "object carries no MAC but an integrity key is set")
@@ -173,34 +199,43 @@ class PayloadHasher:
             raise CorruptObjectError("mac", "MAC does not verify under this integrity key (forged or other key)")
 
 
-def unframe(buf: Buffer, fingerprint: bytes, expected_len: int, key: FrameKey | None = None) -> memoryview:
-    """The payload of a whole frame, checked field by field (and its MAC with ``key``); raises CorruptObjectError."""
+def unframe(
+    buf: Buffer, fingerprint: bytes, expected_len: int, key: FrameKey | None = None, *, name: Buffer
+) -> memoryview:
+    """The payload of a whole frame stored under block key ``name``, checked field by field (and its MAC
+    with ``key``); raises CorruptObjectError."""
     view = memoryview(buf).cast("B")
-    digest = check_header(view[:HEADER_SIZE], fingerprint, expected_len)
+    digest = check_header(view[:HEADER_SIZE], fingerprint, expected_len, name=name)
     if view.nbytes != HEADER_SIZE + expected_len:
         what = "truncated" if view.nbytes < HEADER_SIZE + expected_len else "has trailing bytes"
         expected = HEADER_SIZE + expected_len
         raise CorruptObjectError("length", f"object of {view.nbytes} B {what} (expected {expected} B)")
     payload = view[HEADER_SIZE:]
-    if key is None:  # the common case: one call, no hasher object
-        if checksum([payload]) != digest:
-            raise CorruptObjectError("checksum", "payload does not match its xxh3_64 checksum")
+    if key is None:  # the common case: no hasher object
+        if checksum([payload, view[: _CHECKED.size]]) != digest:
+            raise CorruptObjectError("checksum", "payload does not match its frame checksum")
         return payload
     hasher = PayloadHasher(key)
     hasher.update(payload)
-    hasher.verify(view[:HEADER_SIZE], fingerprint, expected_len)
+    hasher.verify(view[:HEADER_SIZE], fingerprint, expected_len, name=name)
     return payload
 
 
 def verify_pieces(
-    header: Buffer, pieces: Sequence[Buffer], fingerprint: bytes, expected_len: int, key: FrameKey | None = None
+    header: Buffer,
+    pieces: Sequence[Buffer],
+    fingerprint: bytes,
+    expected_len: int,
+    key: FrameKey | None = None,
+    *,
+    name: Buffer,
 ) -> None:
-    """Check a frame that was read straight into ``pieces`` (its header read separately)."""
+    """Check a frame of block ``name`` that was read straight into ``pieces`` (its header read separately)."""
     hasher = PayloadHasher(key)
-    check_header(header, fingerprint, expected_len)  # header faults first, before hashing anything
+    check_header(header, fingerprint, expected_len, name=name)  # header faults first, before hashing anything
     for piece in pieces:
         hasher.update(piece)
-    hasher.verify(header, fingerprint, expected_len)
+    hasher.verify(header, fingerprint, expected_len, name=name)
 
 
 __all__ = [
@@ -209,6 +244,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAC_BYTES",
     "MAGIC",
+    "NAME_BYTES",
     "REASONS",
     "Buffer",
     "CorruptObjectError",
@@ -217,6 +253,7 @@ __all__ = [
     "check_header",
     "checksum",
     "frame_header",
+    "name_field",
     "pack_header",
     "unframe",
     "verify_pieces",

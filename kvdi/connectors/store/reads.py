@@ -75,9 +75,9 @@ def verify_chunk(
             if obj is None:  # read straight into the cache
                 if size != frame_bytes:
                     raise CorruptObjectError("length", f"object of {size} B, expected {frame_bytes} B")
-                verify_pieces(chunk.headers[i], chunk.pieces[i], fingerprint, block_bytes, mac_key)
+                verify_pieces(chunk.headers[i], chunk.pieces[i], fingerprint, block_bytes, mac_key, name=key)
             else:
-                io.copy_payload(unframe(obj, fingerprint, block_bytes, mac_key), chunk.pieces[i])
+                io.copy_payload(unframe(obj, fingerprint, block_bytes, mac_key, name=key), chunk.pieces[i])
         except CorruptObjectError as exc:
             stats.corrupt_dropped += 1
             log_once(f"corrupt:{exc.reason}", "dropping a stored block: %s", exc)

@@ -336,7 +336,7 @@ class StoreWorkerConnector(WorkerConnector):
     ) -> list[tuple[bytes, Sequence[Buffer]]]:
         items: list[tuple[bytes, Sequence[Buffer]]] = []
         for piece_list, key in zip(io.save_pieces(ids) if pieces is None else pieces, keys, strict=True):
-            items.append((key, [frame_header(self._fingerprint, piece_list, self._key), *piece_list]))
+            items.append((key, [frame_header(self._fingerprint, piece_list, self._key, name=key), *piece_list]))
         return items
 
     def _settle(self, stats: ConnectorStats, count: int, finish: Callable[[], object]) -> None:
