@@ -92,6 +92,12 @@ class KvdiSettings(BaseSettings):
     engine_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=256)
     kv_load_failure_policy: LoadFailurePolicy = "recompute"
     use_v1: bool = True
+    model_revision: str | None = Field(None, min_length=1, max_length=256)
+    """Inside vLLM: the weights' identity in every stored key, instead of a digest of the weight files.
+
+    Set it when you manage weight versions yourself (e.g. ``llama-3-8b@2024-06-01``); equal
+    values share KV, so make it name the model and its version. See docs/vllm.md.
+    """
     integrity_key: SecretStr | None = None
     """A secret that makes every stored frame carry a keyed MAC (see README "Security")."""
     integrity_key_file: Path | None = None
