@@ -24,6 +24,12 @@ if ! "$PY" -c "import vllm, kvdi, pytest, transformers, redis" >/dev/null 2>&1; 
     "$PY" -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 fi
 
+# kvdi's vLLM plugin (entry point vllm.general_plugins) exists only in an install made from a
+# pyproject.toml that declares it: reinstall kvdi (editable, no deps) into a venv made before.
+if ! "$PY" -c "from importlib.metadata import entry_points as e; assert any(p.name == 'kvdi' for p in e(group='vllm.general_plugins'))" >/dev/null 2>&1; then
+    "$VENV/bin/pip" install -q --no-deps -e .
+fi
+
 REPORT="$(mktemp -d)/junit.xml"
 # REQUIRE_VLLM_TESTS turns "vLLM missing" into a failure; CI=1 does the same for redis-server.
 REQUIRE_VLLM_TESTS=1 CI=1 VLLM_CPU_KVCACHE_SPACE=1 \

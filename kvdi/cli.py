@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check", help="validate settings, connector and allocation plan, open and probe the backend; exit 0 or 2"
     )
+    check.add_argument(
+        "--vllm-config",
+        metavar="JSON",
+        help="vLLM's --kv-transfer-config JSON: check what kvdi's vLLM adapter builds from it (kvdi.* keys included)",
+    )
     check.set_defaults(func=cmd_check)
     demo = sub.add_parser(
         "demo", help="producer/consumer engines on the embedded default; the main job", add_help=False
@@ -179,12 +184,15 @@ def cmd_connectors(args: argparse.Namespace, _rest: list[str]) -> int:
     return 0
 
 
-def cmd_check(_args: argparse.Namespace, _rest: list[str]) -> int:
-    """Validate settings, connector and allocation plan, then open, probe and close the backend; print one ok line."""
-    from kvdi.containers import build_engine_container
-    from kvdi.settings import load_settings
+def cmd_check(args: argparse.Namespace, _rest: list[str]) -> int:
+    """Validate settings, connector and allocation plan, then open, probe and close the backend; print one ok line.
 
-    settings = load_settings()
+    With ``--vllm-config JSON`` the settings are those kvdi's vLLM adapter builds from that
+    ``--kv-transfer-config``: its ``kvdi.*`` extra-config keys over ``KVDI_*`` env, ``.env``, file.
+    """
+    from kvdi.containers import build_engine_container
+
+    settings = _check_settings(args.vllm_config)
     container = build_engine_container(settings)
     resolved = container.kv.connector()
     plan = container.alloc.plan()
@@ -194,6 +202,39 @@ def cmd_check(_args: argparse.Namespace, _rest: list[str]) -> int:
         f"backend: {_one_line(summary)}"
     )
     return 0
+
+
+def _check_settings(vllm_config: str | None) -> Any:
+    """Settings for ``kvdi check``; with vLLM's JSON, as the adapter builds them, errors naming the JSON key."""
+    import re
+
+    from kvdi.settings import env_var_for, flatten, load_settings
+    from kvdi.settings.vllm_compat import adapter_overrides
+
+    if vllm_config is None:
+        return load_settings()
+    try:
+        data = json.loads(vllm_config)
+    except (ValueError, RecursionError):
+        raise ConfigError("--vllm-config is not valid JSON; pass vLLM's --kv-transfer-config JSON object") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--vllm-config must be a JSON object, got {type(data).__name__}")
+    overrides = adapter_overrides(data, "--vllm-config")
+    keys: dict[str, str] = {}
+    for path, _value in flatten(overrides):
+        parts = path.split(".")
+        for cut in range(1, len(parts) + 1):
+            dotted = ".".join(parts[:cut])
+            keys[env_var_for(tuple(parts[:cut]))] = dotted if dotted in ("kv_role", "engine_id") else f"kvdi.{dotted}"
+    try:
+        return load_settings(**overrides)
+    except ConfigError as exc:
+        text = re.sub(
+            r"\((KVDI_[A-Z0-9_]+)(?=[=)])",
+            lambda m: f"(--vllm-config key {keys[m[1]]}" if m[1] in keys else m[0],
+            str(exc),
+        )
+        raise ConfigError(text) from None
 
 
 def _probe_backend(container: Any, name: str) -> str:

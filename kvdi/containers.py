@@ -11,14 +11,16 @@
   half's staging comes from the allocator, so one object accounts for device and pinned memory.
 
 Build them with :func:`build_kv_container` / :func:`build_engine_container`, which validate
-everything (settings, connector name, V1 gate, role classes) before returning.
+everything (settings, connector name, V1 gate, role classes) before returning. A container
+composed into an application (``providers.Container(EngineContainer, settings=...)``) is
+checked the same way, up front, by :func:`validate_container` (on it or on the whole app).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeAlias, Union
 
 from dependency_injector import containers, providers
 from pydantic import BaseModel, ValidationError
@@ -182,6 +184,53 @@ class EngineContainer(containers.DeclarativeContainer):
     engine = providers.Resource(running_engine, scheduler=scheduler, worker=worker)
 
 
+KvdiContainer: TypeAlias = Union[  # string members: dependency-injector's generics exist only in its stubs
+    EngineContainer,
+    KVTransferContainer,
+    "providers.Container[EngineContainer]",
+    "providers.Container[KVTransferContainer]",
+]
+"""A kvdi container instance, or the ``providers.Container`` that composes one into an app."""
+
+
+def validate_container(container: Any) -> int:
+    """Run the checks of :func:`build_engine_container` / :func:`build_kv_container` on composed containers now.
+
+    ``container`` is a kvdi container, a ``providers.Container`` holding one, or any
+    application container: every kvdi container among its providers (at any depth) is
+    checked: settings resolve and validate, the connector name resolves (did-you-mean), the
+    V1 gate, connector options and tiers, and for an engine the allocation plan. Nothing is
+    allocated and no backend is opened. Returns how many kvdi containers were checked;
+    raises the first :class:`~kvdi.errors.KvdiError` (TypeError when it holds none).
+    """
+    found = _validate(container, depth=0)
+    if not found:
+        raise TypeError(f"{type(container).__name__} holds no kvdi EngineContainer or KVTransferContainer")
+    return found
+
+
+def _validate(container: Any, depth: int) -> int:
+    parent = getattr(getattr(container, "container", container), "declarative_parent", None)
+    if isinstance(parent, type) and issubclass(parent, EngineContainer):
+        _check_kv(container.kv)
+        container.alloc.plan()  # an impossible budget fails here, before anything is allocated
+        return 1
+    if isinstance(parent, type) and issubclass(parent, KVTransferContainer):
+        _check_kv(container)
+        return 1
+    holder = getattr(container, "container", container)
+    items = getattr(holder, "providers", None)
+    if depth > 16 or not isinstance(items, dict):
+        return 0
+    return sum(_validate(p, depth + 1) for p in items.values() if isinstance(p, providers.Container))
+
+
+def _check_kv(kv: Any) -> None:
+    kv.connector()
+    kv.options()
+    kv.tiers()
+
+
 def build_kv_container(
     settings: KvdiSettings | None = None, *, registry: ConnectorRegistry | None = None, **overrides: Any
 ) -> KVTransferContainer:
@@ -189,9 +238,7 @@ def build_kv_container(
     container = KVTransferContainer(settings=settings if settings is not None else load_settings(**overrides))
     if registry is not None:
         container.registry.override(providers.Object(registry))
-    container.connector()
-    container.options()
-    container.tiers()
+    _check_kv(container)
     return container
 
 
@@ -202,10 +249,7 @@ def build_engine_container(
     container = EngineContainer(settings=settings if settings is not None else load_settings(**overrides))
     if registry is not None:
         container.kv.registry.override(providers.Object(registry))
-    container.kv.connector()
-    container.kv.options()
-    container.kv.tiers()
-    container.alloc.plan()  # an impossible budget fails here, before anything is allocated
+    validate_container(container)
     return container
 
 
@@ -213,7 +257,9 @@ __all__ = [
     "AllocatorContainer",
     "EngineContainer",
     "KVTransferContainer",
+    "KvdiContainer",
     "build_engine_container",
     "build_kv_container",
     "check_v1_gate",
+    "validate_container",
 ]

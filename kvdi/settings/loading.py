@@ -18,7 +18,7 @@ from kvdi.errors import ConfigError
 from kvdi.settings.diagnostics import Loc, check_env_keys, describe_validation_error, env_var_for
 from kvdi.settings.paths import MAX_NESTING, flatten
 from kvdi.settings.root import ENV_PREFIX, SETTINGS_FILE_ENV, KvdiSettings, named_sources
-from kvdi.settings.vllm_compat import TRANSFER_CONFIG_ENV, VLLM_KEYS, VLLM_USE_V1_ENV
+from kvdi.settings.vllm_compat import TRANSFER_CONFIG_ENV, VLLM_KEYS, VLLM_USE_V1_ENV, is_adapter_config
 
 _SHOWN_AS = {"vllm": "env"}
 _FIELD_FROM_SOURCE = re.compile(r'field "([^"]+)" from source "(\w+)"')
@@ -80,6 +80,9 @@ def _blamer(overrides: dict[str, Any]) -> Callable[[Loc], str]:
         if name == "vllm":
             if loc == ("use_v1",):
                 return VLLM_USE_V1_ENV
+            if is_adapter_config(os.environ.get(TRANSFER_CONFIG_ENV)):  # vLLM's JSON: kvdi.* extra-config keys
+                key = dotted if loc[0] in ("kv_role", "engine_id") else f"kvdi.{dotted}"
+                return f"{TRANSFER_CONFIG_ENV} key {key}"
             keys = [k for k, target in VLLM_KEYS.items() if tuple(loc[: len(target)]) == target]
             return f"{TRANSFER_CONFIG_ENV} key {keys[0]}" if keys else TRANSFER_CONFIG_ENV
         if name == "file":

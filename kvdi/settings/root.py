@@ -1,20 +1,22 @@
 """:class:`KvdiSettings`, the root settings model, and the one ordered list of its sources.
 
 Precedence (highest first), as :func:`named_sources` returns it: init kwargs > ``KVDI_*`` env >
-vLLM-compatible env (``KVDI_KV_TRANSFER_CONFIG`` JSON, ``VLLM_USE_V1``) > ``.env`` > the TOML
-file named by ``KVDI_SETTINGS_FILE`` > defaults.
+vLLM-compatible env (``KVDI_KV_TRANSFER_CONFIG`` JSON, ``VLLM_USE_V1``) > ``.env`` (its ``KVDI_*``
+keys only: :class:`KvdiDotEnvSource`) > the TOML file named by ``KVDI_SETTINGS_FILE`` > defaults.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
+    DotEnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -35,13 +37,40 @@ from kvdi.settings.sections import (
     SharedStorageSettings,
     TransferSettings,
 )
-from kvdi.settings.vllm_compat import VllmCompatSource
+from kvdi.settings.vllm_compat import TRANSFER_CONFIG_ENV, VllmCompatSource
 
 ENV_PREFIX = "KVDI_"
 SETTINGS_FILE_ENV = "KVDI_SETTINGS_FILE"
+ENV_ONLY_VARS = (SETTINGS_FILE_ENV, TRANSFER_CONFIG_ENV, "KVDI_TEST_REDIS_SERVER")
+"""``KVDI_`` variables read from the process environment only, never from ``.env``."""
 
 # Source names, highest precedence first; "vllm" is shown as "env" by value_sources.
 SOURCE_NAMES = ("init", "env", "vllm", "dotenv", "file")
+
+
+class KvdiDotEnvSource(DotEnvSettingsSource):
+    """``.env`` as kvdi reads it: only ``KVDI_*`` keys; every other key belongs to other tools and is ignored.
+
+    A ``.env`` is shared with vLLM, Hugging Face and the app around kvdi (``HF_TOKEN``,
+    ``DATABASE_URL``); those keys are none of kvdi's business. A ``KVDI_*`` key that names no
+    setting is still refused (it is a typo of ours). The variables that only the process
+    environment sets (``KVDI_SETTINGS_FILE``, ``KVDI_KV_TRANSFER_CONFIG``) are ignored here too.
+    """
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        prefix = ENV_PREFIX.lower()
+        env_only = {name.lower() for name in ENV_ONLY_VARS}
+        return {
+            key: value
+            for key, value in super()._load_env_vars().items()
+            if key.lower().startswith(prefix) and key.lower() not in env_only
+        }
+
+    def __call__(self) -> dict[str, Any]:
+        # pydantic-settings keeps an unknown key with its prefix under extra="forbid"; strip it so
+        # the error names the setting (``kv_rolle``) and the variable (``KVDI_KV_ROLLE``) as env does.
+        prefix = ENV_PREFIX.lower()
+        return {key.removeprefix(prefix): value for key, value in super().__call__().items()}
 
 
 class KvdiSettings(BaseSettings):
@@ -63,6 +92,12 @@ class KvdiSettings(BaseSettings):
     engine_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=256)
     kv_load_failure_policy: LoadFailurePolicy = "recompute"
     use_v1: bool = True
+    model_revision: str | None = Field(None, min_length=1, max_length=256)
+    """Inside vLLM: the weights' identity in every stored key, instead of a digest of the weight files.
+
+    Set it when you manage weight versions yourself (e.g. ``llama-3-8b@2024-06-01``); equal
+    values share KV, so make it name the model and its version. See docs/vllm.md.
+    """
     integrity_key: SecretStr | None = None
     """A secret that makes every stored frame carry a keyed MAC (see README "Security")."""
     integrity_key_file: Path | None = None
@@ -126,6 +161,10 @@ def named_sources(
     not TOML, or nested deeper than :data:`~kvdi.settings.paths.MAX_NESTING` levels.
     """
     names: list[str] = ["init", "env", "vllm", "dotenv"]
+    if isinstance(dotenv_settings, DotEnvSettingsSource) and not isinstance(dotenv_settings, KvdiDotEnvSource):
+        dotenv_settings = KvdiDotEnvSource(
+            settings_cls, env_file=dotenv_settings.env_file, env_file_encoding=dotenv_settings.env_file_encoding
+        )
     sources: list[PydanticBaseSettingsSource] = [
         init_settings,
         env_settings,
@@ -157,4 +196,12 @@ def _toml_source(settings_cls: type[BaseSettings], toml_file: str) -> TomlConfig
     return source
 
 
-__all__ = ["ENV_PREFIX", "SETTINGS_FILE_ENV", "SOURCE_NAMES", "KvdiSettings", "named_sources"]
+__all__ = [
+    "ENV_ONLY_VARS",
+    "ENV_PREFIX",
+    "SETTINGS_FILE_ENV",
+    "SOURCE_NAMES",
+    "KvdiDotEnvSource",
+    "KvdiSettings",
+    "named_sources",
+]

@@ -1,6 +1,14 @@
 """vLLM-compatible configuration source.
 
 Reads ``KVDI_KV_TRANSFER_CONFIG`` (vLLM's ``--kv-transfer-config`` JSON) and ``VLLM_USE_V1``.
+
+The JSON is read in one of two ways:
+
+- kvdi's own names (``{"kv_connector": "redis", "kv_role": ...}``): each key of
+  :data:`VLLM_KEYS` lands on its kvdi setting;
+- the JSON a ``vllm serve`` gets (``"kv_connector": "KvdiConnector"``, or vLLM's
+  ``MultiConnector`` with one ``KvdiConnector`` child): read as kvdi's vLLM adapter reads it,
+  the ``kvdi.``-prefixed keys of ``kv_connector_extra_config`` (:func:`adapter_overrides`).
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import PydanticBaseSettingsSource
 
 from kvdi.errors import ConfigError, did_you_mean
-from kvdi.settings.paths import MAX_NESTING, nesting_depth
+from kvdi.settings.paths import MAX_NESTING, flatten, nesting_depth
 
 TRANSFER_CONFIG_ENV = "KVDI_KV_TRANSFER_CONFIG"
 VLLM_USE_V1_ENV = "VLLM_USE_V1"
@@ -31,6 +39,10 @@ VLLM_KEYS: dict[str, tuple[str, ...]] = {
     "kv_rank": ("p2p", "kv_rank"),
     "kv_parallel_size": ("p2p", "kv_parallel_size"),
 }
+VLLM_CONNECTOR = "KvdiConnector"
+MULTI_CONNECTOR = "MultiConnector"
+ADAPTER_MODULES = (None, "kvdi.integrations.vllm", "kvdi.integrations.vllm.connector")
+EXTRA_PREFIX = "kvdi."
 
 
 class VllmCompatSource(PydanticBaseSettingsSource):
@@ -64,6 +76,8 @@ def parse_transfer_config(raw: str) -> dict[str, Any]:
         raise ConfigError(f"{TRANSFER_CONFIG_ENV} must be a JSON object, got {type(data).__name__}")
     if nesting_depth(data) > MAX_NESTING:
         raise ConfigError(f"{TRANSFER_CONFIG_ENV} is nested deeper than {MAX_NESTING} levels")
+    if data.get("kv_connector") in (VLLM_CONNECTOR, MULTI_CONNECTOR):
+        return adapter_overrides(data, TRANSFER_CONFIG_ENV)
     out: dict[str, Any] = {}
     for key, value in data.items():
         if key not in VLLM_KEYS:
@@ -79,4 +93,94 @@ def parse_transfer_config(raw: str) -> dict[str, Any]:
     return out
 
 
-__all__ = ["TRANSFER_CONFIG_ENV", "VLLM_KEYS", "VLLM_USE_V1_ENV", "VllmCompatSource", "parse_transfer_config"]
+def is_adapter_config(raw: str | None) -> bool:
+    """True when ``raw`` is JSON that selects kvdi's vLLM adapter (``KvdiConnector`` or ``MultiConnector``)."""
+    try:
+        data = json.loads(raw or "")
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("kv_connector") in (VLLM_CONNECTOR, MULTI_CONNECTOR)
+
+
+def kvdi_child(data: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]:
+    """The ``KvdiConnector`` part of vLLM's transfer config and where it sits (``""`` or ``connectors[i]``).
+
+    For ``MultiConnector`` that is its one ``KvdiConnector`` child, which inherits the parent's
+    ``kv_role`` and ``engine_id`` as vLLM's MultiConnector does. ConfigError when no
+    ``KvdiConnector`` is configured, when several are, or when the child names another module.
+    """
+    if data.get("kv_connector") == MULTI_CONNECTOR:
+        extra = data.get("kv_connector_extra_config") or {}
+        children = extra.get("connectors") if isinstance(extra, dict) else None
+        if not isinstance(children, list):
+            raise ConfigError(f"{where}: MultiConnector needs kv_connector_extra_config.connectors, a list")
+        found = [
+            (i, c) for i, c in enumerate(children) if isinstance(c, dict) and c.get("kv_connector") == VLLM_CONNECTOR
+        ]
+        if len(found) != 1:
+            raise ConfigError(
+                f"{where}: MultiConnector has {len(found)} {VLLM_CONNECTOR} children; kvdi reads exactly one"
+            )
+        index, child = found[0]
+        place, data = f"connectors[{index}] ", {**{k: data[k] for k in ("kv_role", "engine_id") if k in data}, **child}
+    elif data.get("kv_connector") == VLLM_CONNECTOR:
+        place = ""
+    else:
+        raise ConfigError(
+            f"{where}: kv_connector is {data.get('kv_connector')!r}, not {VLLM_CONNECTOR} or a {MULTI_CONNECTOR} "
+            f"with a {VLLM_CONNECTOR} child; nothing of kvdi's to read"
+        )
+    module = data.get("kv_connector_module_path")
+    if module not in ADAPTER_MODULES:
+        raise ConfigError(
+            f"{where}: {place}kv_connector_module_path={module!r} is not kvdi's; leave it out (kvdi's vLLM plugin "
+            f"registers {VLLM_CONNECTOR}) or set it to kvdi.integrations.vllm"
+        )
+    return place.strip(), data
+
+
+def adapter_overrides(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """kvdi settings from vLLM's transfer config, exactly as kvdi's vLLM adapter reads them.
+
+    ``{"kvdi.redis.url": u}`` (or ``{"kvdi": {"redis": {"url": u}}}``) in
+    ``kv_connector_extra_config`` becomes ``{"redis": {"url": u}}``; vLLM's ``kv_role`` and
+    ``engine_id`` are taken as they are; other extra-config keys belong to vLLM or other
+    connectors and are ignored.
+    """
+    _place, child = kvdi_child(data, where)
+    extra = child.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"{where}: kv_connector_extra_config must be a JSON object")
+    items: list[tuple[str, Any]] = []
+    if isinstance(extra.get("kvdi"), dict):
+        items.extend(flatten(extra["kvdi"]))
+    items.extend((k[len(EXTRA_PREFIX) :], v) for k, v in extra.items() if k.startswith(EXTRA_PREFIX))
+    out: dict[str, Any] = {}
+    for dotted, value in items:
+        parts = [p for p in dotted.split(".") if p]
+        if not parts:
+            raise ConfigError(f"{where}: kv_connector_extra_config key {EXTRA_PREFIX + dotted!r} names no kvdi setting")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{where}: kv_connector_extra_config sets kvdi.{part} both as a value and a section")
+        node[parts[-1]] = value
+    out["kv_role"] = child.get("kv_role") or "kv_both"
+    if child.get("engine_id") is not None:
+        out["engine_id"] = str(child["engine_id"])
+    out["kv_load_failure_policy"] = "recompute"  # the adapter reports; vLLM's own policy decides
+    return out
+
+
+__all__ = [
+    "ADAPTER_MODULES",
+    "TRANSFER_CONFIG_ENV",
+    "VLLM_KEYS",
+    "VLLM_USE_V1_ENV",
+    "VllmCompatSource",
+    "adapter_overrides",
+    "is_adapter_config",
+    "kvdi_child",
+    "parse_transfer_config",
+]

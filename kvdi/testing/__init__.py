@@ -3,6 +3,9 @@
 The pytest plugin (:mod:`kvdi.testing.plugin`, registered through ``pytest11``) provides the
 fixtures ``kvdi_env``, ``kvdi_overrides``, ``kvdi_container``, ``kvdi_kv_container`` and
 ``kvdi_override``.
+
+Every helper takes a container instance or the ``providers.Container`` that composes it into
+an application (``app.engine``), typed as :data:`~kvdi.containers.KvdiContainer`.
 """
 
 from __future__ import annotations
@@ -14,18 +17,19 @@ from typing import Any
 from dependency_injector import providers
 
 from kvdi.connectors.base import SchedulerConnector, WorkerConnector
-from kvdi.containers import EngineContainer, KVTransferContainer
+from kvdi.containers import EngineContainer, KvdiContainer
 from kvdi.testing.recording import Call, CallLog, RecordingSchedulerConnector, RecordingWorkerConnector
 
 
-def _kv(container: EngineContainer | KVTransferContainer) -> Any:
-    # Instances of declarative containers are DynamicContainers: look for the sub-container.
+def _kv(container: KvdiContainer) -> Any:
+    # Instances of declarative containers are DynamicContainers, and a providers.Container passes
+    # attribute access on to the one it holds: look for the kv sub-container either way.
     return getattr(container, "kv", container)
 
 
 @contextmanager
 def override_connector(
-    container: EngineContainer | KVTransferContainer,
+    container: KvdiContainer,
     *,
     scheduler: SchedulerConnector | None = None,
     worker: WorkerConnector | None = None,
@@ -41,14 +45,17 @@ def override_connector(
 
 
 @contextmanager
-def override_allocator(container: EngineContainer, allocator: Any) -> Iterator[None]:
+def override_allocator(
+    container: EngineContainer | providers.Container[EngineContainer], allocator: Any
+) -> Iterator[None]:
     """Make the container hand out ``allocator`` (e.g. a pre-allocated one) inside the ``with`` block only."""
-    with container.alloc.allocator.override(providers.Object(allocator)):
+    alloc: Any = container.alloc
+    with alloc.allocator.override(providers.Object(allocator)):
         yield
 
 
 def recording_halves(
-    container: EngineContainer | KVTransferContainer, *, delegate: bool = True
+    container: KvdiContainer, *, delegate: bool = True
 ) -> tuple[RecordingSchedulerConnector, RecordingWorkerConnector, CallLog]:
     """Recording halves sharing one log, wrapping the container's real halves when ``delegate``."""
     kv = _kv(container)

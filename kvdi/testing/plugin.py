@@ -20,7 +20,13 @@ from typing import Any, cast
 
 import pytest
 
-from kvdi.containers import EngineContainer, KVTransferContainer, build_engine_container, build_kv_container
+from kvdi.containers import (
+    EngineContainer,
+    KvdiContainer,
+    KVTransferContainer,
+    build_engine_container,
+    build_kv_container,
+)
 from kvdi.testing import override_allocator, override_connector
 
 
@@ -67,7 +73,7 @@ def kvdi_override() -> Iterator[Callable[..., None]]:
     with ExitStack() as stack:
 
         def apply(
-            container: EngineContainer | KVTransferContainer,
+            container: KvdiContainer,
             *,
             scheduler: Any = None,
             worker: Any = None,

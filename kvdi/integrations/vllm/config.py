@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvdi.errors import ConfigError
+from kvdi.integrations.vllm.weights import weights_identity
 from kvdi.registry import ConnectorSpec
+from kvdi.settings import load_settings
 from kvdi.settings.paths import flatten
 
 EXTRA_PREFIX = "kvdi."
@@ -60,6 +62,15 @@ def needs_block_index(spec: ConnectorSpec, vllm_config: Any) -> bool:
     """
     backend = vllm_config.parallel_config.distributed_executor_backend
     return spec.process_local and backend not in ("uni", "external_launcher")
+
+
+def model_identity(vllm_config: Any) -> str:
+    """The layout's model id: ``kvdi.model_revision`` when set, else the weights' identity (:mod:`.weights`)."""
+    override = None
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        override = load_settings(**kvdi_settings_kwargs(vllm_config)).model_revision
+    model = vllm_config.model_config
+    return weights_identity(str(model.model), getattr(model, "revision", None), override)
 
 
 def kvdi_settings_kwargs(vllm_config: Any) -> dict[str, Any]:

@@ -359,6 +359,17 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvdiConnectorStats:
         return KvdiConnectorStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labels: Any, per_engine_labels: Any) -> Any:
+        """vLLM's MultiConnector asserts every child that reports stats has Prometheus metrics (none exported yet)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+        class NoSeries(KVConnectorPromMetrics):  # type: ignore[misc,unused-ignore]
+            def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+                del transfer_stats_data, engine_idx
+
+        return NoSeries(vllm_config, metric_types, labels, per_engine_labels)
+
     def shutdown(self) -> None:
         """Write final counters, shut kvdi's half down, release the shared container."""
         if self._closed:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvdi.errors import ConfigError
+from kvdi.integrations.vllm.config import model_identity
 from kvdi.integrations.vllm.parallel import RankSlice
 from kvdi.layout import KVCacheSpec
 
@@ -40,7 +41,7 @@ def kv_cache_spec(vllm_config: Any, tag: str = "") -> KVCacheSpec:
     if dtype is None:
         raise ConfigError(f"KvdiConnector stores float32, float16 or bfloat16 KV; the model runs in {model.dtype}")
     return KVCacheSpec(
-        model_id=f"{model.model}{tag}",
+        model_id=f"{model_identity(vllm_config)}{tag}",
         num_layers=int(model.get_num_layers(parallel)),
         num_kv_heads=int(model.get_num_kv_heads(parallel)),
         head_dim=int(model.get_head_size()),
