@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from kvdi.cli_store import add_store_parser
 from kvdi.errors import ConfigError, KvdiError, did_you_mean
 
 EXIT_USAGE = 2
@@ -66,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer, smaller iterations")
     bench.add_argument("--json", action="store_true", help="print JSON")
     bench.set_defaults(func=cmd_bench)
+    add_store_parser(sub)  # kvdi store stats|verify|clear (kvdi.cli_store)
     return parser
 
 

@@ -1,0 +1,50 @@
+"""Objects for the store administration tests: valid frames written through kvdi's real stores, and corrupt ones."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kvdi.connectors.store.framing import HEADER_SIZE, frame_header
+
+ROOT = Path(__file__).resolve().parents[2]
+FINGERPRINTS = (bytes(range(16)), bytes(range(16, 32)))  # two layouts: a fleet's store holds several models
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 4
+
+
+def frame(i: int, size: int = 256) -> bytes:
+    """A valid frame (layout alternating between two fingerprints)."""
+    payload = bytes([i % 251]) * size
+    return frame_header(FINGERPRINTS[i % 2], payload) + payload
+
+
+def corruptions() -> dict[str, bytes]:
+    """Bad objects by the reason ``verify`` must give for each."""
+    good = frame(99)
+    flipped = bytearray(good)
+    flipped[HEADER_SIZE + 5] ^= 0x40
+    wrong_magic = b"XXXX" + good[4:]
+    return {
+        "checksum": bytes(flipped),
+        "magic": wrong_magic,
+        "length": good[:-10],  # truncated
+    }
+
+
+def kvdi(*args: str, env: dict[str, str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``kvdi`` of this checkout with a clean KVDI_* environment plus ``env``."""
+    base = {k: v for k, v in os.environ.items() if not k.upper().startswith("KVDI_")}
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), base.get("PYTHONPATH", "")) if p)
+    return subprocess.run(
+        [sys.executable, "-m", "kvdi.cli", *args],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        input=stdin,
+    )
