@@ -23,7 +23,13 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape of the paged KV cache; also the layout that stored KV must match."""
+    """Shape of the paged KV cache; also the layout that stored KV must match.
+
+    ``group`` names one of vLLM's KV cache groups (its kind, window, block size and layers)
+    when a hybrid model stores each group on its own (empty otherwise); ``page_bytes``, when
+    set, is one layer's block in bytes for state that is not K and V (vLLM's Mamba pages).
+    Both enter the fingerprint only when set, so single-group layouts keep theirs.
+    """
 
     model_id: str
     num_layers: int
@@ -31,6 +37,8 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: str
+    group: str = ""
+    page_bytes: int = 0
 
     @classmethod
     def from_settings(cls, settings: KvdiSettings) -> KVCacheSpec:
@@ -49,7 +57,9 @@ class KVCacheSpec:
 
     @property
     def layer_block_bytes(self) -> int:
-        """Bytes of one block of one layer (K and V)."""
+        """Bytes of one block of one layer (K and V, or ``page_bytes`` when set)."""
+        if self.page_bytes:
+            return self.page_bytes
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
     @property
@@ -71,6 +81,8 @@ class KVCacheSpec:
                 FORMAT_VERSION,
             )
         )
+        if self.group or self.page_bytes:
+            text += f"|group={self.group}|page={self.page_bytes}"
         return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 

@@ -128,8 +128,10 @@ def store_stats(admin: StoreAdmin) -> StoreStats:
     return StoreStats(admin.kind, admin.where, total, groups, admin.other_entries(), odd)
 
 
-def check_object(data: bytes | None, size: int, key: FrameKey | None) -> str | None:
-    """Why ``data`` (an object of ``size`` bytes) is no valid kvdi frame, or None when it is one.
+def check_object(data: bytes | None, size: int, key: FrameKey | None, name: str) -> str | None:
+    """Why ``data`` (an object of ``size`` bytes stored as ``name``) is no valid kvdi frame, or None when it is one.
+
+    A frame names the block key it was written for: an object under another name (copied, renamed) is bad.
 
     The frame is checked against itself: its header fields, its length against its size, its
     checksum (and, with ``key``, its MAC). Any layout is valid: a fleet's store holds the
@@ -141,9 +143,11 @@ def check_object(data: bytes | None, size: int, key: FrameKey | None) -> str | N
         return "length"
     if size < HEADER_SIZE:
         return "length"
+    if not is_key_name(name):
+        return "name"
     view = memoryview(data)
     try:
-        unframe(view, bytes(view[8:24]), size - HEADER_SIZE, key)
+        unframe(view, bytes(view[8:24]), size - HEADER_SIZE, key, name=bytes.fromhex(name))
     except CorruptObjectError as exc:
         return exc.reason
     return None
@@ -197,7 +201,7 @@ def verify_store(
         elif obj.size > max_object_bytes:
             reason = "oversize"
         else:
-            reason = check_object(admin.read(obj), obj.size, key)
+            reason = check_object(admin.read(obj), obj.size, key, obj.name)
         report.checked += 1
         if reason == "vanished":  # removed (evicted, cleared) while we looked: neither good nor bad
             report.checked -= 1

@@ -114,10 +114,10 @@ class Halves:
         return [c[block_id].clone() for c in self.caches.values()]
 
 
-def frame(seed: int, layout: KVCacheSpec = LAYOUT) -> bytes:
-    """A valid frame of ``layout`` with a payload drawn from ``seed``."""
+def frame(seed: int, layout: KVCacheSpec = LAYOUT, name: bytes = bytes(16)) -> bytes:
+    """A valid frame of ``layout`` for block key ``name`` with a payload drawn from ``seed``."""
     payload = random.Random(seed).randbytes(layout.block_bytes)
-    return frame_header(layout.fingerprint(), payload) + payload
+    return frame_header(layout.fingerprint(), payload, name=name) + payload
 
 
 def object_size(obj: object) -> int:

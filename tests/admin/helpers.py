@@ -17,22 +17,25 @@ def key(i: int) -> bytes:
     return i.to_bytes(4, "big") * 4
 
 
-def frame(i: int, size: int = 256) -> bytes:
-    """A valid frame (layout alternating between two fingerprints)."""
+def frame(i: int, size: int = 256, name: int | None = None) -> bytes:
+    """A valid frame for the object named ``key(name)`` (default ``key(i)``); layouts alternate between two
+    fingerprints."""
     payload = bytes([i % 251]) * size
-    return frame_header(FINGERPRINTS[i % 2], payload) + payload
+    return frame_header(FINGERPRINTS[i % 2], payload, name=key(i if name is None else name)) + payload
+
+
+CORRUPT_FIRST = 1000  # corruptions() are stored as key(1000), key(1001), ... in their order
 
 
 def corruptions() -> dict[str, bytes]:
-    """Bad objects by the reason ``verify`` must give for each."""
-    good = frame(99)
-    flipped = bytearray(good)
+    """Bad objects by the reason ``verify`` must give for each; the i-th is stored as ``key(CORRUPT_FIRST + i)``."""
+    flipped = bytearray(frame(99, name=CORRUPT_FIRST))
     flipped[HEADER_SIZE + 5] ^= 0x40
-    wrong_magic = b"XXXX" + good[4:]
     return {
         "checksum": bytes(flipped),
-        "magic": wrong_magic,
-        "length": good[:-10],  # truncated
+        "magic": b"XXXX" + frame(99, name=CORRUPT_FIRST + 1)[4:],
+        "length": frame(99, name=CORRUPT_FIRST + 2)[:-10],  # truncated
+        "name": frame(99),  # a valid frame of key(99), copied under key(1003)
     }
 
 

@@ -47,7 +47,7 @@ def test_stats_counts_objects_bytes_and_folders(store: Path) -> None:
     sizes = [len(frame(i)) for i in range(GOOD)] + [len(v) for v in corruptions().values()]
     assert stats.total.objects == len(sizes) and stats.total.bytes == sum(sizes)
     assert sum(g.objects for g in stats.groups.values()) == len(sizes)
-    assert set(stats.groups) == {key(i).hex()[:2] for i in [*range(GOOD), 1000, 1001, 1002]}
+    assert set(stats.groups) == {key(i).hex()[:2] for i in [*range(GOOD), 1000, 1001, 1002, 1003]}
     assert stats.odd == 1 and stats.other == 1
     assert stats.total.oldest is not None and stats.total.oldest <= stats.total.newest  # type: ignore[operator]
 
@@ -71,10 +71,11 @@ def test_verify_finds_exactly_the_planted_objects_and_drops_them(store: Path) ->
 
 
 def test_check_object_accepts_any_layout_and_refuses_a_short_object() -> None:
-    assert check_object(frame(1), len(frame(1)), None) is None
-    assert check_object(frame(2), len(frame(2)), None) is None  # another fingerprint: still a valid frame
-    assert check_object(b"KVDI", 4, None) == "length"
-    assert check_object(None, 10, None) == "vanished"
+    assert check_object(frame(1), len(frame(1)), None, key(1).hex()) is None
+    assert check_object(frame(2), len(frame(2)), None, key(2).hex()) is None  # another fingerprint: still valid
+    assert check_object(frame(1), len(frame(1)), None, key(2).hex()) == "name"  # copied under another name
+    assert check_object(b"KVDI", 4, None, key(1).hex()) == "length"
+    assert check_object(None, 10, None, key(1).hex()) == "vanished"
 
 
 def test_clear_removes_objects_and_leaves_other_entries(store: Path) -> None:

@@ -32,6 +32,10 @@ are reported finished sending; vLLM's ``handle_preemptions`` hook gets the step'
 preempted request ids (carried in the metadata envelope) to the worker half before the
 forward pass reuses their blocks; a request vLLM ends while parked is freed once
 (:mod:`.async_loads`).
+
+With vLLM's hybrid KV cache manager (``SupportsHMA``) a model may have several KV cache
+groups (sliding window, Mamba beside full attention): each group is planned, keyed and
+stored on its own, and failed loads go out per request (:mod:`.groups`, :mod:`.hybrid`).
 """
 
 from __future__ import annotations
@@ -39,10 +43,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from dependency_injector import providers
 
 try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorTransferResults,
+        SupportsHMA,
+    )
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole as VllmRole
     from vllm.logger import init_logger
 except ImportError as exc:  # only vLLM loads this module; say what to install if someone else does
@@ -50,15 +57,16 @@ except ImportError as exc:  # only vLLM loads this module; say what to install i
 
 from kvdi.connectors.base import BlockTransferMetadata, SchedulerConnector, WorkerConnector
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
-from kvdi.containers import KVTransferContainer
 from kvdi.errors import ConfigError, KvdiError, KVLoadError
 from kvdi.integrations.vllm.async_loads import SchedulerLoads, WorkerLoads
-from kvdi.integrations.vllm.block_index import BlockIndex, store_capacity_blocks
+from kvdi.integrations.vllm.block_index import BlockIndex
 from kvdi.integrations.vllm.bridge import LayoutBridge
 from kvdi.integrations.vllm.config import STATS_DIR_KEY, kvdi_settings_kwargs, needs_block_index
 from kvdi.integrations.vllm.envelopes import KvdiConnectorMetadata, KvdiConnectorStats, KvdiWorkerMetadata
+from kvdi.integrations.vllm.groups import groups_from_vllm
+from kvdi.integrations.vllm.halves import open_hybrid, open_single
+from kvdi.integrations.vllm.hybrid import HybridScheduler, HybridWorker
 from kvdi.integrations.vllm.layout import kvdi_layer_view, layout_from_vllm, ordered_layers, rank_slice
-from kvdi.integrations.vllm.parallel import AllRanksStore, KeyLookup
 from kvdi.integrations.vllm.requests import RequestTracker
 from kvdi.integrations.vllm.shared import SHARED
 from kvdi.integrations.vllm.stats import AdapterStats, StatsReporter, check_engine_id, write_stats_file
@@ -69,7 +77,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures only its own logger tree
 
 
-class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
+class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unused-ignore]
     """vLLM's KVConnectorBase_V1 over kvdi's connector halves (one role per instance).
 
     A bad kvdi setting raises a :class:`~kvdi.errors.KvdiError` from the constructor, after
@@ -94,24 +102,25 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self._stats_dir: str | None = extra.get(STATS_DIR_KEY)
         if self._stats_dir:
             check_engine_id(self._engine_id)
-        container = SHARED.acquire(self._engine_id, kvdi_settings_kwargs(vllm_config), self.layout)
+        kwargs = kvdi_settings_kwargs(vllm_config)
+        container = SHARED.acquire(self._engine_id, kwargs, self.layout)
+        self.groups = groups_from_vllm(kv_cache_config) if kv_cache_config is not None else []
+        self._tracker = RequestTracker()
         self._index: BlockIndex | None = None
         self._scheduler: SchedulerConnector | None = None
         self._worker: WorkerConnector | None = None
         self.half: SchedulerConnector | WorkerConnector
         try:
             self._index_mode = needs_block_index(container.connector().spec, vllm_config)
-            if self._shape.sliced:
-                self._check_parallel(container)  # before building a half (p2p's would wait for its peer)
-            if role == VllmRole.SCHEDULER:
-                if self._index_mode:
-                    self._index = self._block_index(container)
-                elif self._shape.sliced:
-                    backend = cast(KeyLookup, container.backend())
-                    container.backend.override(providers.Object(AllRanksStore(backend, self._shape)))
-                self._scheduler = self.half = cast(SchedulerConnector, container.scheduler_connector())
+            if len(self.groups) > 1:  # one kvdi container and store half per KV cache group
+                args = (self.groups, self.layout, kwargs, self._shape, self._tracker, self._index_mode)
+                self.half = open_hybrid(container, worker, *args)
             else:
-                self._worker = self.half = cast(WorkerConnector, container.worker_connector())
+                self.half, self._index = open_single(container, worker, self._shape, self._index_mode)
+            if worker:
+                self._worker = cast(WorkerConnector, self.half)
+            else:
+                self._scheduler = cast(SchedulerConnector, self.half)
         except BaseException:
             SHARED.release(self._engine_id)
             raise
@@ -121,7 +130,6 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self._dropped_keys: list[bytes] = []
         self._parked = SchedulerLoads()
         self._async = WorkerLoads()
-        self._tracker = RequestTracker()
         self._layer_names: dict[str, str] = {}
         self._views: dict[str, torch.Tensor] = {}
         self._bridge: LayoutBridge | None = None
@@ -130,31 +138,16 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self.counts = AdapterStats()
         self._counts_reporter = StatsReporter(self.counts)
         self._closed = False
-        logger.info("kvdi %r %s half for engine %s: %s", self.half.name, role.name, self._engine_id, self.layout)
-
-    def _block_index(self, container: KVTransferContainer) -> BlockIndex:
-        """A key index sized like the worker's store, standing in for the backend in this process."""
-        capacity = store_capacity_blocks(container.backend())
-        container.backend.shutdown()  # this process only needed its size; the worker holds the blocks
-        if capacity is None:
-            raise ConfigError(
-                f"connector {container.connector().spec.name!r} is process-local but its backend does not say "
-                "how many blocks it holds (num_slots); run vLLM with distributed_executor_backend='uni'"
-            )
-        index = BlockIndex(capacity)
-        container.backend.override(providers.Object(index))
-        return index
-
-    def _check_parallel(self, container: KVTransferContainer) -> None:
-        """Refuse what cannot store per-rank slices: stores in one worker's memory, non-store connectors."""
-        resolved = container.connector()
-        if not resolved.stores_rank_slices:  # the spec decides (kvdi.registry.ResolvedConnector)
-            raise ConfigError(
-                f"kvdi.kv_connector={resolved.spec.name!r} does not support tensor_parallel_size="
-                f"{self._shape.tp_size} / pipeline_parallel_size={self._shape.pp_size}: with more than one "
-                "rank each rank stores its own slice in a store every process reaches; pick a store connector "
-                "that is not process-local (`kvdi connectors` lists them)"
-            )
+        groups = "; ".join(g.tag() for g in self.groups)
+        logger.info(
+            "kvdi %r %s half for engine %s: %s; KV cache groups: %d (%s)",
+            self.half.name,
+            role.name,
+            self._engine_id,
+            self.layout,
+            len(self.groups),
+            groups,
+        )
 
     @property
     def scheduler_half(self) -> SchedulerConnector:
@@ -178,12 +171,15 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         return n, bool(load_async and n)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Forward the request's blocks (first KV cache group) and accepted token count to kvdi."""
-        ids = blocks.get_block_ids()[0] if blocks is not None else []
+        """Forward the request's blocks (per KV cache group) and accepted token count to kvdi."""
+        ids = blocks.get_block_ids() if blocks is not None else ([],)
         req = self._tracker.request(request)
         if self._parked.allocated(req.request_id, num_external_tokens):
             self.counts.async_load_requests += 1  # vLLM now waits for it in WAITING_FOR_REMOTE_KVS
-        self.scheduler_half.update_state_after_alloc(req, list(ids), num_external_tokens)
+        if isinstance(self._scheduler, HybridScheduler):
+            self._scheduler.allocated(req, ids, num_external_tokens)
+        else:
+            self.scheduler_half.update_state_after_alloc(req, list(ids[0]), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvdiConnectorMetadata:
         """kvdi's metadata for this step, in vLLM's envelope."""
@@ -204,9 +200,17 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         # Ended while parked for its asynchronous load: vLLM holds the blocks until finished receiving.
         return self._parked.finished(req.request_id, delay_free), params
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``SupportsHMA`` hook: :meth:`request_finished` with every group's blocks (kvdi needs none)."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
     def update_connector_output(self, connector_output: Any) -> None:
         """Apply the worker's report of stored and vanished keys to the scheduler's :class:`BlockIndex`."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(self._scheduler, HybridScheduler):  # recomputed from scratch: store them again
+            self._scheduler.load_failed(getattr(connector_output, "failed_recving", None) or ())
         if self._index is not None and isinstance(meta, KvdiWorkerMetadata):
             self._index.add(meta.stored)
             for key in meta.dropped:
@@ -216,6 +220,9 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map vLLM's layers to kvdi's ``layers.<i>`` and hand kvdi's worker half caches in kvdi's layout."""
+        if isinstance(self._worker, HybridWorker):  # each group's half takes its own layers (vLLM's names)
+            self._worker.register_vllm_caches(kv_caches, self._num_blocks)
+            return
         names = ordered_layers(list(kv_caches))
         expected = self.layout.layer_names
         if len(names) != len(expected):
@@ -314,6 +321,12 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self.counts.finished_sending += len(sending)
         self.counts.finished_recving += len(recving)
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`, and with several KV cache groups the requests whose load failed."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed(recving or ()) if isinstance(self._worker, HybridWorker) else set()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM block ids whose kvdi load failed (missing, corrupt, foreign); vLLM recomputes or fails them."""

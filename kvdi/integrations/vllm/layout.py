@@ -123,6 +123,31 @@ def kvdi_layer_view(cache: torch.Tensor, layout: KVCacheSpec, num_blocks: int | 
     )
 
 
+def mamba_pages(state: Any, page_bytes: int) -> torch.Tensor:
+    """A Mamba layer's state tensors (vLLM: views into one raw page per block) as ``[num_blocks, page_bytes]`` bytes.
+
+    Raises ConfigError when the states do not lie in pages of ``page_bytes`` each.
+    """
+    import torch
+
+    tensors = list(state) if isinstance(state, list | tuple) else [state]
+    first = tensors[0]
+    num_blocks = int(first.shape[0])
+    storage = first.untyped_storage()
+    base = min(t.storage_offset() * t.element_size() for t in tensors)
+    if (
+        any(t.stride(0) * t.element_size() != page_bytes for t in tensors)
+        or storage.nbytes() < base + num_blocks * page_bytes
+    ):
+        raise ConfigError(
+            f"KvdiConnector does not understand Mamba state of shapes {[tuple(t.shape) for t in tensors]} "
+            f"(strides {[tuple(t.stride()) for t in tensors]}) as pages of {page_bytes} bytes"
+        )
+    raw = torch.empty(0, dtype=torch.uint8, device=first.device)
+    raw.set_(storage, base, (num_blocks, page_bytes), (page_bytes, 1))
+    return raw
+
+
 def ordered_layers(names: Sequence[str]) -> list[str]:
     """vLLM's attention layer names in forward order (by the layer numbers in the names)."""
 

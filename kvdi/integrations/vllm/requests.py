@@ -35,13 +35,15 @@ class RequestTracker:
     """What the scheduler half remembers per running request to rebuild kvdi's full :class:`ScheduledRequest`.
 
     One :class:`KVRequest` per request id, built on first sight and reused until the
-    request finishes; each request's block list as vLLM grows it (vLLM sends only new
-    blocks of running requests), with its tuple rebuilt only when it changed.
+    request finishes; each request's block lists as vLLM grows them (vLLM sends only new
+    blocks of running requests), one per KV cache group (:attr:`groups`; :attr:`blocks` is
+    the first group's), with the first group's tuple rebuilt only when it changed.
     """
 
     def __init__(self) -> None:
         self.requests: dict[str, KVRequest] = {}
         self.blocks: dict[str, list[int]] = {}
+        self.groups: dict[str, list[list[int]]] = {}
         self._block_tuples: dict[str, tuple[int, ...]] = {}
         self.step = 0
 
@@ -59,10 +61,22 @@ class RequestTracker:
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self.blocks.pop(request_id, None)
+        self.groups.pop(request_id, None)
         self._block_tuples.pop(request_id, None)
 
-    def _set_blocks(self, req_id: str, blocks: list[int]) -> None:
-        self.blocks[req_id] = blocks
+    def _set_blocks(self, req_id: str, groups: Any) -> None:
+        lists = [list(g) for g in groups or ()] or [[]]
+        self.groups[req_id] = lists
+        self.blocks[req_id] = lists[0]
+        self._block_tuples.pop(req_id, None)
+
+    def _add_blocks(self, req_id: str, groups: Any) -> None:
+        have = self.groups.get(req_id)
+        if have is None:
+            self._set_blocks(req_id, groups)
+            return
+        for mine, new in zip(have, groups, strict=False):
+            mine.extend(new)
         self._block_tuples.pop(req_id, None)
 
     def translate(self, output: Any) -> SchedulerOutput:
@@ -74,7 +88,7 @@ class RequestTracker:
             if request is None:
                 request = KVRequest(req_id, tuple(new.prompt_token_ids or ()))
                 self.requests[req_id] = request
-            self._set_blocks(req_id, list(new.block_ids[0]) if new.block_ids else [])
+            self._set_blocks(req_id, new.block_ids)
             scheduled.append(self._scheduled(request, new.num_computed_tokens, output))
         cached = output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -83,10 +97,9 @@ class RequestTracker:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                self._set_blocks(req_id, list(new_blocks[0]) if new_blocks else [])
-            elif new_blocks and new_blocks[0]:
-                self.blocks.setdefault(req_id, []).extend(new_blocks[0])
-                self._block_tuples.pop(req_id, None)
+                self._set_blocks(req_id, new_blocks)
+            elif new_blocks and any(new_blocks):
+                self._add_blocks(req_id, new_blocks)
             scheduled.append(self._scheduled(request, cached.num_computed_tokens[i], output))
         finished = frozenset(str(r) for r in output.finished_req_ids)
         for req_id in finished:
