@@ -81,7 +81,7 @@ def test_check_object_accepts_any_layout_and_refuses_a_short_object() -> None:
 def test_clear_removes_objects_and_leaves_other_entries(store: Path) -> None:
     admin = open_admin(load_settings(**{"shared_storage": {"path": store}}))
     try:
-        assert clear_store(admin) == GOOD + 4
+        assert clear_store(admin) == GOOD + len(corruptions()) + 1  # and the symlink
         assert store_stats(admin).total.objects == 0
     finally:
         admin.close()
@@ -95,15 +95,16 @@ def test_cli_stats_json_verify_exit_codes_and_clear(store: Path) -> None:
     stats = kvdi("store", "stats", "--json", env=env(store))
     assert stats.returncode == 0, stats.stderr
     info = json.loads(stats.stdout)
-    assert info["objects"] == GOOD + 3 and info["kind"] == "shared_storage"
+    assert info["objects"] == GOOD + len(corruptions()) and info["kind"] == "shared_storage"
     assert info["settings"]["shared_storage"]["path"] == str(store)
     table = kvdi("store", "stats", env=env(store))
-    assert table.returncode == 0 and "total" in table.stdout and str(GOOD + 3) in table.stdout
+    assert table.returncode == 0 and "total" in table.stdout and str(GOOD + len(corruptions())) in table.stdout
     verify = kvdi("store", "verify", env=env(store))
     assert verify.returncode == 1, verify.stderr
-    assert verify.stdout.count("bad: ") == 4 and f"{GOOD} good, 4 bad" in verify.stdout
+    bad = len(corruptions()) + 1  # and the symlink
+    assert verify.stdout.count("bad: ") == bad and f"{GOOD} good, {bad} bad" in verify.stdout
     dropped = kvdi("store", "verify", "--drop", "--json", env=env(store))
-    assert dropped.returncode == 1 and len(json.loads(dropped.stdout)["bad"]) == 4
+    assert dropped.returncode == 1 and len(json.loads(dropped.stdout)["bad"]) == bad
     assert kvdi("store", "verify", env=env(store)).returncode == 0
     refused = kvdi("store", "clear", env=env(store), stdin="")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "--yes" in refused.stderr
