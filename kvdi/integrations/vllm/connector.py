@@ -58,6 +58,7 @@ from kvdi.integrations.vllm.block_index import BlockIndex, store_capacity_blocks
 from kvdi.integrations.vllm.bridge import LayoutBridge
 from kvdi.integrations.vllm.config import STATS_DIR_KEY, kvdi_settings_kwargs, needs_block_index
 from kvdi.integrations.vllm.envelopes import KvdiConnectorMetadata, KvdiConnectorStats, KvdiWorkerMetadata
+from kvdi.integrations.vllm.events import FleetHooks
 from kvdi.integrations.vllm.layout import kvdi_layer_view, layout_from_vllm, ordered_layers, rank_slice
 from kvdi.integrations.vllm.parallel import AllRanksStore, KeyLookup
 from kvdi.integrations.vllm.requests import RequestTracker
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures only its own logger tree
 
 
-class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
+class KvdiConnector(FleetHooks, KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     """vLLM's KVConnectorBase_V1 over kvdi's connector halves (one role per instance).
 
     A bad kvdi setting raises a :class:`~kvdi.errors.KvdiError` from the constructor, after
@@ -131,6 +132,7 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self._reporter = StatsReporter(self.half.stats)
         self.counts = AdapterStats()
         self._counts_reporter = StatsReporter(self.counts)
+        self._fleet_setup(vllm_config, worker)  # events, hit sources, reset, metrics (.events)
         self._closed = False
         logger.info("kvdi %r %s half for engine %s: %s", self.half.name, role.name, self._engine_id, self.layout)
 
@@ -176,8 +178,9 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvdi can load beyond ``num_computed_tokens`` (vLLM's local prefix-cache hit; 0 for producers)."""
-        req = self._tracker.request(request)
+        req = self._fleet_request(self._tracker, request)
         n, load_async = self.scheduler_half.get_num_new_matched_tokens(req, num_computed_tokens)
+        self._fleet_looked_up(req, num_computed_tokens, n)
         self._parked.offer(req.request_id, bool(load_async and n))
         return n, bool(load_async and n)
 
@@ -196,6 +199,7 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             self._parked.scheduled(s.request.request_id for s in output.scheduled)
         preempted = tuple(str(r) for r in getattr(scheduler_output, "preempted_req_ids", None) or ())
         inner = self.scheduler_half.build_connector_meta(output)
+        self._fleet_planned(inner, output.finished_req_ids)
         return KvdiConnectorMetadata(inner=inner, preempted=preempted, unheld=self._parked.take_unheld())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -210,6 +214,7 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Apply the worker's report of stored and vanished keys to the scheduler's :class:`BlockIndex`."""
+        self._fleet_worker_events(connector_output)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if self._index is not None and isinstance(meta, KvdiWorkerMetadata):
             self._index.add(meta.stored)
@@ -259,6 +264,7 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             self._loads_due = bool(inner.loads) or bool(self._async.loading)
         else:  # a connector with its own metadata (p2p): let it see every hook
             self._loads_due = self._saves_due = True
+        self._fleet_saw(inner)
         if isinstance(inner, BlockTransferMetadata) and self._shape.sliced:
             inner = self._shape.rekey(inner)  # this rank's slice of each block has its own key
         self._worker.bind_connector_metadata(self._bridge.bind(inner) if self._bridge is not None else inner)
@@ -346,22 +352,21 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
 
     def get_kv_connector_stats(self) -> KvdiConnectorStats | None:
         """kvdi's counters since the last call, keyed by the registered connector name; None when none moved."""
+        from kvdi.integrations.vllm.prom import step_stats
+
         delta, extra = self._reporter.delta(), self._counts_reporter.delta()
-        if delta is None and extra is None:
-            return None
-        if self._stats_dir:
+        stats = step_stats(
+            self.half.name, delta, extra, self._fleet.entry({**(delta or {}), **(extra or {})}, self.half)
+        )
+        if stats is not None and self._stats_dir and (delta or extra):
             self._write_stats()
-        return KvdiConnectorStats(data={self.half.name: {**(delta or {}), **(extra or {})}})
+        return stats
 
     def _write_stats(self) -> None:
         assert self._stats_dir is not None
         role = self.role.name.lower()
         counters = {**self._reporter.as_dict(), **self._counts_reporter.as_dict()}
         write_stats_file(self._stats_dir, self._engine_id, role, self.half.name, counters)
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvdiConnectorStats:
-        return KvdiConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         """Write final counters, shut kvdi's half down, release the shared container."""
