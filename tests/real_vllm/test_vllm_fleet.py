@@ -27,6 +27,7 @@ require_vllm()
 pytestmark = pytest.mark.slow
 
 FRAME_BYTES = 72 + 2 * 2 * 2 * 32 * BLOCK_SIZE * 4  # header + 2 layers x K,V x 2 KV heads x 32 dims x fp32
+SLICE_BYTES = 72 + (FRAME_BYTES - 72) // 2  # TP=2: each rank stores half of the KV heads
 CAP_OBJECTS = 5  # the store holds 5 blocks: prompt A (3) then prompt B (4) evicts A's
 
 
@@ -173,3 +174,56 @@ def _assert_series_match_stats(fleet: Fleet) -> None:
     assert series(metrics, "vllm:kvdi_saved_blocks_total", role="worker") > 0
     assert series(metrics, "vllm:kvdi_miss_blocks_total", role="scheduler") > 0
     assert series(metrics, "vllm:kvdi_save_seconds_count", role="worker") > 0
+
+
+@pytest.fixture(scope="module")
+def tp2_fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Fleet]:
+    """A TP=2 ``vllm serve`` (multiprocess executor): each rank saves its own slice of every block."""
+    work = tmp_path_factory.mktemp("fleet-tp2")
+    model = model_with_tokenizer(tiny_model, work / "model")
+    events = EventSubscriber()
+    kv = kv_config(
+        "shared_storage",
+        stats_dir=work / "stats",
+        shared_storage__path=str(work / "store"),
+        shared_storage__max_bytes=CAP_OBJECTS * SLICE_BYTES,  # each rank evicts once it wrote 5 slices
+    )
+    server = FleetServer(
+        model,
+        work / "serve.log",
+        kv,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        args=[
+            "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+            "--kv-events-config", events.events_config(),
+        ],
+    )  # fmt: skip
+    try:
+        server.wait_ready()
+        yield Fleet(server, events, work / "stats", work / "store")
+    finally:
+        server.stop()
+        events.close()
+
+
+def test_tp2_announces_a_block_once_both_ranks_stored_it(tp2_fleet: Fleet, prompts: list[list[int]]) -> None:
+    """Under TP=2 each block is announced once (when both ranks' slices landed), with vLLM's hash; evicting
+    a slice announces the block removed; kvdi's counters on /metrics are the sum of both ranks' stats files."""
+    a, b = prompts[0], prompts[3]
+    a_blocks, b_blocks = len(a) // BLOCK_SIZE, len(b) // BLOCK_SIZE
+    tp2_fleet.complete(a)
+    seen = tp2_fleet.events.wait_for(lambda ev: len(_kvdi_stored(ev)) >= a_blocks)
+    gpu = _gpu_blocks(seen)
+    stored = _kvdi_stored(seen)
+    assert len(stored) == a_blocks and len({e.block_hashes[0] for e in stored}) == a_blocks
+    for i, event in enumerate(stored):
+        assert gpu[event.block_hashes[0]][1] == event.token_ids == a[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+    assert len([p for p in tp2_fleet.store.rglob("*") if p.is_file()]) == 2 * a_blocks  # a slice per rank
+
+    tp2_fleet.complete(b)
+    seen = tp2_fleet.events.wait_for(lambda ev: any(type(e).__name__ == "BlockRemoved" for e in ev))
+    announced = {e.block_hashes[0] for e in _kvdi_stored(seen)}
+    removed = {h for e in seen if type(e).__name__ == "BlockRemoved" for h in e.block_hashes}
+    assert {e.block_hashes[0] for e in stored} & removed and removed <= announced
+    assert len(_kvdi_stored(seen)) <= a_blocks + b_blocks
+    _assert_series_match_stats(tp2_fleet)

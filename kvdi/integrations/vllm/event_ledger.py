@@ -15,7 +15,7 @@ join them:
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -70,26 +70,31 @@ def store_tiers(store: object) -> list[object]:
 
 
 class WorkerLedger:
-    """One worker rank's side: slice key -> block key for the saves it saw (bounded)."""
+    """One worker rank's side: slice key -> block key for the saves it saw (bounded).
 
-    def __init__(self, rekey: Any = None) -> None:
-        self._rekey = rekey  # RankSlice.key when the rank stores slices, else None
+    ``rekeys`` are the slice-key functions of *every* rank (``RankSlice.key`` of each), so a
+    store shared by the ranks that evicts another rank's slice still names the block.
+    """
+
+    def __init__(self, rekeys: Sequence[Callable[[bytes], bytes]] = ()) -> None:
+        self._rekeys = list(rekeys)
         self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
 
     def saw(self, metadata: object) -> None:
         """Remember the block key behind each of this step's save keys (before the adapter re-keys them)."""
-        if self._rekey is None or not isinstance(metadata, BlockTransferMetadata):
+        if not self._rekeys or not isinstance(metadata, BlockTransferMetadata):
             return
         for transfer in metadata.saves:
             for key in transfer.block_keys:
-                self._blocks[self._rekey(key)] = key
+                for rekey in self._rekeys:
+                    self._blocks[rekey(key)] = key
         while len(self._blocks) > MAX_TRACKED:
             self._blocks.popitem(last=False)
 
     def block_keys(self, keys: Iterable[bytes]) -> Iterator[bytes]:
-        """The block key of each slice key this rank knows (all keys when it stores whole blocks)."""
+        """The block key of each slice key this rank knows (all keys when ranks store whole blocks)."""
         for key in keys:
-            block = key if self._rekey is None else self._blocks.get(key)
+            block = key if not self._rekeys else self._blocks.get(key)
             if block is not None:
                 yield block
 
@@ -100,7 +105,7 @@ class SchedulerLedger:
     def __init__(self, num_ranks: int) -> None:
         self.num_ranks = num_ranks
         self._facts: OrderedDict[bytes, BlockFacts] = OrderedDict()
-        self._landed: Counter[tuple[bytes, str, str | None]] = Counter()
+        self._landed: Counter[tuple[bytes, str]] = Counter()
         self._announced: OrderedDict[tuple[bytes, str], bytes] = OrderedDict()  # (key, medium) -> vLLM hash
 
     def planned(self, key: bytes, facts: BlockFacts) -> None:
@@ -111,7 +116,8 @@ class SchedulerLedger:
 
     def landed(self, key: bytes, medium: str, locality: str | None) -> BlockFacts | None:
         """One rank's slice landed; the block's facts once every rank's has (None until then, or if unknown)."""
-        slot = (key, medium, locality)
+        del locality  # one locality per medium: counted by (key, medium)
+        slot = (key, medium)
         self._landed[slot] += 1
         while len(self._landed) > MAX_TRACKED:  # slices some rank never landed (its save failed)
             del self._landed[next(iter(self._landed))]
@@ -127,7 +133,7 @@ class SchedulerLedger:
 
     def removed(self, key: bytes, medium: str) -> bytes | None:
         """vLLM's hash of an announced block that went away on some rank (once), else None."""
-        self._landed.pop((key, medium, None), None)
+        self._landed.pop((key, medium), None)  # a slice gone before every rank reported: never announced
         return self._announced.pop((key, medium), None)
 
     def clear(self) -> None:

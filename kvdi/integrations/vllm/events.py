@@ -107,7 +107,7 @@ class FleetHooks:
         self._salted: dict[str, KVRequest] = {}
         self._lookups: dict[str, tuple[int, int]] = {}  # request id -> (computed tokens, matched tokens)
         self._sched_ledger = SchedulerLedger(self._shape.tp_size * self._shape.pp_size)
-        self._worker_ledger = WorkerLedger(self._shape.key if self._shape.sliced else None)
+        self._worker_ledger = WorkerLedger([r.key for r in self._shape.ranks()] if self._shape.sliced else ())
         self._tiers: list[tuple[Any, str, str]] = []
         if worker and self._events_on:
             self.half.block_events = deque(maxlen=1 << 20)

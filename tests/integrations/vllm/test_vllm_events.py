@@ -51,13 +51,15 @@ def test_an_unplanned_block_lands_without_an_event_and_clear_forgets() -> None:
 
 
 def test_worker_ledger_maps_rank_slice_keys_back_to_block_keys() -> None:
-    """A TP rank saves its slice under its own key; the events speak of the block key."""
-    rank = RankSlice(tp_size=2, tp_rank=1)
-    ledger = WorkerLedger(rank.key)
+    """A TP rank saves its slice under its own key; the events speak of the block key, also for a slice of
+    another rank (a shared folder's size cap evicts whichever slice is oldest)."""
+    shape = RankSlice(tp_size=2, tp_rank=1)
+    ledger = WorkerLedger([r.key for r in shape.ranks()])
     keys = tuple(block_keys(PROMPT.prompt_token_ids, LAYOUT))
     ledger.saw(BlockTransferMetadata((), (BlockTransfer("r", (1, 2, 3, 4), keys),)))
-    sliced = [rank.key(k) for k in keys]
-    assert list(ledger.block_keys([*sliced, b"unknown-key-1234"])) == list(keys)
+    mine = [shape.key(k) for k in keys]
+    other = RankSlice(tp_size=2, tp_rank=0).key(keys[0])
+    assert list(ledger.block_keys([*mine, b"unknown-key-1234", other])) == [*keys, keys[0]]
     assert list(WorkerLedger().block_keys(keys)) == list(keys)  # one rank: keys are block keys
 
 
