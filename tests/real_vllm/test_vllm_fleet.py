@@ -227,3 +227,48 @@ def test_tp2_announces_a_block_once_both_ranks_stored_it(tp2_fleet: Fleet, promp
     assert {e.block_hashes[0] for e in stored} & removed and removed <= announced
     assert len(_kvdi_stored(seen)) <= a_blocks + b_blocks
     _assert_series_match_stats(tp2_fleet)
+
+
+def test_hit_sources_by_store_and_multi_split_by_tier(tmp_path: Path) -> None:
+    """vLLM's cache-hit source of each store kind; a multi hit is split by the tier that holds each block
+    (no engine: kvdi's hook on real stores, with vLLM's own CacheHitSource)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource as Source
+
+    from kvdi.connectors.base import KVRequest
+    from kvdi.connectors.cpu_offload import HostPoolStore
+    from kvdi.connectors.multi import TieredStore
+    from kvdi.connectors.p2p.scheduler import P2pSchedulerConnector
+    from kvdi.connectors.redis import RedisBlockStore
+    from kvdi.connectors.shared_storage import FileBlockStore
+    from kvdi.connectors.store.keys import block_keys
+    from kvdi.integrations.vllm.events import FleetHooks
+    from kvdi.integrations.vllm.parallel import RankSlice
+    from kvdi.layout import KVCacheSpec
+    from kvdi.settings import RedisSettings
+
+    layout = KVCacheSpec("t", 2, 2, 8, 4, "float32")
+    prompt = tuple(range(1, 22))  # 5 full blocks
+    keys = block_keys(prompt, layout)
+    host, disk = HostPoolStore(8, 64), FileBlockStore(tmp_path / "kv")
+    host.put_many([(k, [b"x"]) for k in keys[:2]])
+    disk.put_many([(k, [b"x"]) for k in keys[:4]])
+
+    def sources(store: object, tokens: int) -> dict[Source, int]:
+        hooks = FleetHooks()
+        hooks.half, hooks.layout, hooks._shape = SimpleNamespace(store=store), layout, RankSlice()
+        hooks._fleet_setup(SimpleNamespace(kv_events_config=None), worker=False)
+        hooks._fleet_looked_up(KVRequest("r", prompt), 0, tokens)
+        return hooks.get_external_cache_hit_sources(SimpleNamespace(request_id="r"), tokens)
+
+    assert sources(disk, 16) == {Source.DISK: 16}
+    assert sources(host, 8) == {Source.HOST: 8}
+    redis_store = RedisBlockStore(RedisSettings(url="redis://127.0.0.1:1/0"))  # type: ignore[arg-type]
+    assert sources(redis_store, 8) == {Source.EXTERNAL_UNSPECIFIED: 8}
+    assert sources(TieredStore([("cpu_offload", host), ("shared_storage", disk)]), 16) == {
+        Source.HOST: 8,
+        Source.DISK: 8,
+    }
+    assert Source(P2pSchedulerConnector.hit_source) is Source.P2P
+    assert sources(disk, 0) == {}

@@ -105,7 +105,7 @@ class FleetHooks:
         self._resets = 0
         self._vllm_requests: dict[str, Any] = {}
         self._salted: dict[str, KVRequest] = {}
-        self._lookups: dict[str, tuple[int, int]] = {}  # request id -> (computed tokens, matched tokens)
+        self._lookups: dict[str, tuple[int, KVRequest]] = {}  # request id -> (computed tokens, kvdi's request)
         self._sched_ledger = SchedulerLedger(self._shape.tp_size * self._shape.pp_size)
         self._worker_ledger = WorkerLedger([r.key for r in self._shape.ranks()] if self._shape.sliced else ())
         self._tiers: list[tuple[Any, str, str]] = []
@@ -134,7 +134,7 @@ class FleetHooks:
 
     def _fleet_looked_up(self, req: KVRequest, num_computed_tokens: int, matched: int | None) -> None:
         self._fleet.looked_up(len(req.prompt_token_ids), num_computed_tokens, matched or 0, self.layout.block_size)
-        self._lookups[req.request_id] = (num_computed_tokens, matched or 0)
+        self._lookups[req.request_id] = (num_computed_tokens, req)
 
     def _fleet_planned(self, inner: object, finished: Any) -> None:
         """Capture vLLM's facts of this step's planned saves; forget requests that finished."""
@@ -214,8 +214,7 @@ class FleetHooks:
         return self._split_by_tier(str(request.request_id), tiers, num_external_tokens)
 
     def _split_by_tier(self, rid: str, tiers: list[Any], tokens: int) -> dict[CacheHitSource, int]:
-        req = self._salted.get(rid) or self._vllm_kv_request(rid)
-        computed, _ = self._lookups.get(rid, (0, 0))
+        computed, req = self._lookups.get(rid, (0, None))
         bs = self.layout.block_size
         keys = block_keys(req.prompt_token_ids, self.layout, req.cache_salt)[computed // bs :] if req else []
         out: dict[CacheHitSource, int] = {}
@@ -232,10 +231,6 @@ class FleetHooks:
         if served < tokens:
             out[CacheHitSource.EXTERNAL_UNSPECIFIED] = tokens - served
         return out
-
-    def _vllm_kv_request(self, rid: str) -> KVRequest | None:
-        request = self._vllm_requests.get(rid)
-        return None if request is None else KVRequest(rid, tuple(request.prompt_token_ids), _kv_salt(request))
 
     # -- worker role ---------------------------------------------------------------------------
 
