@@ -192,7 +192,7 @@ def tp2_fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Ite
         model,
         work / "serve.log",
         kv,
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_SERVER_DEV_MODE": "1"},
         args=[
             "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
             "--kv-events-config", events.events_config(),
@@ -208,7 +208,8 @@ def tp2_fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Ite
 
 def test_tp2_announces_a_block_once_both_ranks_stored_it(tp2_fleet: Fleet, prompts: list[list[int]]) -> None:
     """Under TP=2 each block is announced once (when both ranks' slices landed), with vLLM's hash; evicting
-    a slice announces the block removed; kvdi's counters on /metrics are the sum of both ranks' stats files."""
+    a slice announces the block removed; kvdi's counters on /metrics are the sum of both ranks' stats files;
+    a connector reset publishes kvdi's AllBlocksCleared beside vLLM's."""
     a, b = prompts[0], prompts[3]
     a_blocks, b_blocks = len(a) // BLOCK_SIZE, len(b) // BLOCK_SIZE
     tp2_fleet.complete(a)
@@ -227,6 +228,11 @@ def test_tp2_announces_a_block_once_both_ranks_stored_it(tp2_fleet: Fleet, promp
     assert {e.block_hashes[0] for e in stored} & removed and removed <= announced
     assert len(_kvdi_stored(seen)) <= a_blocks + b_blocks
     _assert_series_match_stats(tp2_fleet)
+
+    before = len(tp2_fleet.events.events())
+    assert tp2_fleet.server.post("/reset_prefix_cache?reset_external=true")["success"] is True
+    tp2_fleet.complete(prompts[2])  # events go out with the next engine step
+    tp2_fleet.events.wait_for(lambda ev: sum(type(e).__name__ == "AllBlocksCleared" for e in ev[before:]) >= 2)
 
 
 def test_hit_sources_by_store_and_multi_split_by_tier(tmp_path: Path) -> None:
