@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -37,6 +37,8 @@ _BACKEND_ERRORS = (ValueError, TypeError, OverflowError, MemoryError, RuntimeErr
 class HostPoolStore:
     """A :class:`~kvdi.connectors.store.BlockStore` in host memory: ``num_slots`` slots of ``slot_bytes``."""
 
+    hit_source = "host"  # the tier vLLM's external_prefix_cache_hits names (vllm CacheHitSource)
+
     def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool = False) -> None:
         if num_slots < 1:
             raise ValueError("a host pool needs at least one slot")
@@ -50,6 +52,7 @@ class HostPoolStore:
         self._unused = 0  # slots from here on were never used (no list of num_slots entries)
         self._lock = threading.Lock()
         self._logged: set[str] = set()
+        self.evicted_keys: deque[bytes] | None = None  # set by the vLLM adapter for KV cache events
 
     def _slots(self) -> np.ndarray:
         if self._pool is None:
@@ -143,7 +146,9 @@ class HostPoolStore:
         if self._unused < self.num_slots:
             self._unused += 1
             return self._unused - 1
-        _key, (slot, _size) = self._lru.popitem(last=False)
+        key, (slot, _size) = self._lru.popitem(last=False)
+        if self.evicted_keys is not None:
+            self.evicted_keys.append(key)
         return slot
 
     def _touch(self, keys: Sequence[bytes]) -> None:

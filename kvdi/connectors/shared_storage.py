@@ -33,6 +33,7 @@ import stat
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -78,6 +79,8 @@ class FileBlockStore:
     (a symlink is refused), every call is a miss or a failed write, never an exception.
     """
 
+    hit_source = "disk"  # the tier vLLM's external_prefix_cache_hits names (vllm CacheHitSource)
+
     def __init__(
         self, root: Path, max_bytes: int | None = None, *, mode: int = DEFAULT_MODE, object_bytes: int | None = None
     ) -> None:
@@ -89,6 +92,7 @@ class FileBlockStore:
         self._lock = threading.Lock()
         self._logged: set[str] = set()
         self._approx_bytes = 0
+        self.evicted_keys: deque[bytes] | None = None  # set by the vLLM adapter for KV cache events
         if max_bytes:
             with contextlib.suppress(OSError):
                 self._approx_bytes = self.scan()[1]
@@ -322,6 +326,9 @@ class FileBlockStore:
                     except OSError:
                         break  # read-only store: nothing more to do
                     freed += size
+                    if self.evicted_keys is not None and len(name) == 32:
+                        with contextlib.suppress(ValueError):
+                            self.evicted_keys.append(bytes.fromhex(name))
             self._approx_bytes = total - freed
             return freed
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,9 @@ def model_with_tokenizer(model: Path, directory: Path) -> Path:
 class VllmServer:
     """One ``vllm serve`` process group on 127.0.0.1; its output goes to ``log``."""
 
-    def __init__(self, model: Path, log: Path, kv: dict[str, Any], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, model: Path, log: Path, kv: dict[str, Any], env: dict[str, str] | None = None, args: Sequence[str] = ()
+    ) -> None:
         self.model = str(model)
         self.log = log
         self.port = free_port()
@@ -67,7 +70,7 @@ class VllmServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
             "--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--block-size", str(BLOCK_SIZE),
-            "--seed", "0", "--kv-transfer-config", json.dumps(kv),
+            "--seed", "0", "--kv-transfer-config", json.dumps(kv), *args,
         ]  # fmt: skip
         child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
         with log.open("w") as out:

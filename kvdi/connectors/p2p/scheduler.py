@@ -38,6 +38,8 @@ class P2pTransferMetadata(BlockTransferMetadata):
 class P2pSchedulerConnector(SchedulerConnector):
     """Producer: plans saves of computed prompt blocks. Consumer: offers the blocks the producer published."""
 
+    hit_source = "p2p"  # the tier vLLM's external_prefix_cache_hits names (vllm CacheHitSource)
+
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         self.channel = require_channel(context)

@@ -17,6 +17,7 @@ is copied out to host staging on the engine thread (pinned; loads copy in on a s
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
@@ -84,6 +85,9 @@ class StoreWorkerConnector(WorkerConnector):
         self._finishing: set[str] = set()
         self._received: set[str] = set()
         self._logged: set[str] = set()
+        self.block_events: deque[tuple[bool, bytes]] | None = None
+        """When set (the vLLM adapter, for KV cache events): ``(True, key)`` per block whose save landed,
+        ``(False, key)`` per block dropped as corrupt."""
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         from kvdi.connectors.store.blockio import CacheIO
@@ -97,6 +101,11 @@ class StoreWorkerConnector(WorkerConnector):
             import torch
 
             self._side = torch.cuda.Stream(tensors[0].device)  # type: ignore[no-untyped-call]
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Bytes of queued asynchronous saves (a gauge for the vLLM adapter's metrics)."""
+        return self._queue.inflight_bytes
 
     def _cache(self) -> CacheIO:
         if self._io is None:
@@ -268,6 +277,8 @@ class StoreWorkerConnector(WorkerConnector):
 
     def discard(self, key: bytes) -> None:
         """Drop one bad object from the store; a failure is logged, never raised."""
+        if self.block_events is not None:
+            self.block_events.append((False, key))
         try:
             self.store.discard(key)
         except Exception as exc:
@@ -310,7 +321,7 @@ class StoreWorkerConnector(WorkerConnector):
         out = Outcome(request_id, False)
         try:
             framed = self._frames(io, ids, keys, pieces)
-            self._settle(out.stats, len(framed), partial(self.store.put_many, framed))
+            self._settle(out.stats, len(framed), partial(self.store.put_many, framed), keys)
         finally:
             self._release_io(io)
         return out
@@ -319,17 +330,18 @@ class StoreWorkerConnector(WorkerConnector):
         executor = self._background(io)
         ids = [b for t in saves for b in t.block_ids]
         keys = [k for t in saves for k in t.block_keys]
-        writing: tuple[Future[int | None], int] | None = None
+        writing: tuple[Future[int | None], Sequence[bytes]] | None = None
         for start in range(0, len(ids), self._chunk):
-            items = self._frames(io, ids[start : start + self._chunk], keys[start : start + self._chunk])
+            span = keys[start : start + self._chunk]
+            items = self._frames(io, ids[start : start + self._chunk], span)
             if executor is None:
-                self._settle(self.stats, len(items), partial(self.store.put_many, items))
+                self._settle(self.stats, len(items), partial(self.store.put_many, items), span)
                 continue
             if writing is not None:
-                self._settle(self.stats, writing[1], writing[0].result)
-            writing = (executor.submit(self.store.put_many, items), len(items))
+                self._settle(self.stats, len(writing[1]), writing[0].result, writing[1])
+            writing = (executor.submit(self.store.put_many, items), span)
         if writing is not None:
-            self._settle(self.stats, writing[1], writing[0].result)
+            self._settle(self.stats, len(writing[1]), writing[0].result, writing[1])
 
     def _frames(
         self, io: CacheIO, ids: Sequence[int], keys: Sequence[bytes], pieces: list[list[memoryview]] | None = None
@@ -339,7 +351,7 @@ class StoreWorkerConnector(WorkerConnector):
             items.append((key, [frame_header(self._fingerprint, piece_list, self._key, name=key), *piece_list]))
         return items
 
-    def _settle(self, stats: ConnectorStats, count: int, finish: Callable[[], object]) -> None:
+    def _settle(self, stats: ConnectorStats, count: int, finish: Callable[[], object], keys: Sequence[bytes]) -> None:
         """Run or wait for one put_many of ``count`` blocks and count the outcome; nothing is ever raised."""
         try:
             written = written_count(finish(), count)
@@ -350,6 +362,8 @@ class StoreWorkerConnector(WorkerConnector):
         if written < count:
             self._log_once("save:partial", "the store wrote %d of %d blocks", written, count)
         stats.save_failures += count - written
+        if self.block_events is not None and written == count:  # which of a partial batch landed is unknown
+            self.block_events.extend((True, k) for k in keys)
         stats.saved_blocks += written
         stats.saved_bytes += written * self._block_bytes
 

@@ -16,6 +16,8 @@ class BlockIndex:
     reported, and vLLM recomputes: a lost hit, never wrong output.
     """
 
+    hit_source = "host"  # it stands in for a worker's process-local store: host memory
+
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         self._keys: OrderedDict[bytes, None] = OrderedDict()

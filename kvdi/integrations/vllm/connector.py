@@ -63,6 +63,7 @@ from kvdi.integrations.vllm.block_index import BlockIndex
 from kvdi.integrations.vllm.bridge import LayoutBridge
 from kvdi.integrations.vllm.config import STATS_DIR_KEY, kvdi_settings_kwargs, needs_block_index
 from kvdi.integrations.vllm.envelopes import KvdiConnectorMetadata, KvdiConnectorStats, KvdiWorkerMetadata
+from kvdi.integrations.vllm.events import FleetHooks
 from kvdi.integrations.vllm.groups import groups_from_vllm
 from kvdi.integrations.vllm.halves import open_hybrid, open_single
 from kvdi.integrations.vllm.hybrid import HybridScheduler, HybridWorker
@@ -77,7 +78,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures only its own logger tree
 
 
-class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unused-ignore]
+class KvdiConnector(FleetHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unused-ignore]
     """vLLM's KVConnectorBase_V1 over kvdi's connector halves (one role per instance).
 
     A bad kvdi setting raises a :class:`~kvdi.errors.KvdiError` from the constructor, after
@@ -137,6 +138,7 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
         self._reporter = StatsReporter(self.half.stats)
         self.counts = AdapterStats()
         self._counts_reporter = StatsReporter(self.counts)
+        self._fleet_setup(vllm_config, worker)  # events, hit sources, reset, metrics (.events)
         self._closed = False
         groups = "; ".join(g.tag() for g in self.groups)
         logger.info(
@@ -165,8 +167,9 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvdi can load beyond ``num_computed_tokens`` (vLLM's local prefix-cache hit; 0 for producers)."""
-        req = self._tracker.request(request)
+        req = self._fleet_request(self._tracker, request)
         n, load_async = self.scheduler_half.get_num_new_matched_tokens(req, num_computed_tokens)
+        self._fleet_looked_up(req, num_computed_tokens, n)
         self._parked.offer(req.request_id, bool(load_async and n))
         return n, bool(load_async and n)
 
@@ -188,6 +191,7 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
             self._parked.scheduled(s.request.request_id for s in output.scheduled)
         preempted = tuple(str(r) for r in getattr(scheduler_output, "preempted_req_ids", None) or ())
         inner = self.scheduler_half.build_connector_meta(output)
+        self._fleet_planned(inner, output.finished_req_ids)
         return KvdiConnectorMetadata(inner=inner, preempted=preempted, unheld=self._parked.take_unheld())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -208,6 +212,7 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Apply the worker's report of stored and vanished keys to the scheduler's :class:`BlockIndex`."""
+        self._fleet_worker_events(connector_output)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(self._scheduler, HybridScheduler):  # recomputed from scratch: store them again
             self._scheduler.load_failed(getattr(connector_output, "failed_recving", None) or ())
@@ -262,6 +267,7 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
             self._loads_due = bool(inner.loads) or bool(self._async.loading)
         else:  # a connector with its own metadata (p2p): let it see every hook
             self._loads_due = self._saves_due = True
+        self._fleet_saw(inner)
         if isinstance(inner, BlockTransferMetadata) and self._shape.sliced:
             inner = self._shape.rekey(inner)  # this rank's slice of each block has its own key
         self._worker.bind_connector_metadata(self._bridge.bind(inner) if self._bridge is not None else inner)
@@ -355,33 +361,21 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
 
     def get_kv_connector_stats(self) -> KvdiConnectorStats | None:
         """kvdi's counters since the last call, keyed by the registered connector name; None when none moved."""
+        from kvdi.integrations.vllm.prom import step_stats
+
         delta, extra = self._reporter.delta(), self._counts_reporter.delta()
-        if delta is None and extra is None:
-            return None
-        if self._stats_dir:
+        stats = step_stats(
+            self.half.name, delta, extra, self._fleet.entry({**(delta or {}), **(extra or {})}, self.half)
+        )
+        if stats is not None and self._stats_dir and (delta or extra):
             self._write_stats()
-        return KvdiConnectorStats(data={self.half.name: {**(delta or {}), **(extra or {})}})
+        return stats
 
     def _write_stats(self) -> None:
         assert self._stats_dir is not None
         role = self.role.name.lower()
         counters = {**self._reporter.as_dict(), **self._counts_reporter.as_dict()}
         write_stats_file(self._stats_dir, self._engine_id, role, self.half.name, counters)
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvdiConnectorStats:
-        return KvdiConnectorStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labels: Any, per_engine_labels: Any) -> Any:
-        """vLLM's MultiConnector asserts every child that reports stats has Prometheus metrics (none exported yet)."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
-
-        class NoSeries(KVConnectorPromMetrics):  # type: ignore[misc,unused-ignore]
-            def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-                del transfer_stats_data, engine_idx
-
-        return NoSeries(vllm_config, metric_types, labels, per_engine_labels)
 
     def shutdown(self) -> None:
         """Write final counters, shut kvdi's half down, release the shared container."""

@@ -1,0 +1,298 @@
+"""kvdi seen by the fleet: KV cache events, hit sources, ``reset_cache``, metrics hooks (imports vLLM).
+
+:class:`FleetHooks` is mixed into :class:`~kvdi.integrations.vllm.connector.KvdiConnector`;
+the connector calls its ``_fleet_*`` methods at a few points and vLLM calls the rest.
+
+**Events** (with ``--kv-events-config '{"enable_kv_cache_events": true, ...}'``), published by
+vLLM's own publisher beside vLLM's GPU-block events:
+
+- ``BlockStored`` when a block's save has *landed* in kvdi's store on every worker rank (each
+  rank reports its slice through ``get_kv_connector_kv_cache_events``; the scheduler counts
+  them, across steps, in :class:`~.event_ledger.SchedulerLedger`), carrying vLLM's own block
+  hash (``request.block_hashes``, the hash vLLM publishes for its GPU block and a router
+  computes from token ids), the parent hash, token ids, block size, LoRA and extra keys as
+  vLLM fills them;
+- ``BlockRemoved`` when a rank's store evicts the block (cpu_offload's LRU, shared_storage's
+  size cap) or drops it as corrupt;
+- ``AllBlocksCleared`` on ``reset_cache`` (``reset_prefix_cache(reset_connector=True)``).
+
+``medium`` is ``CPU`` for host memory and ``STORAGE`` for disks and remote stores;
+``locality`` is ``LOCAL`` for this engine's own host memory and ``REMOTE`` for shared stores
+(shared_storage, Redis): any engine attached to the store can load the block, so a router
+should not prefer this engine for it the way it prefers the engine whose GPU holds a block.
+
+**reset_cache**: this engine stops being offered anything stored before the reset, and
+nothing is deleted: its keys are salted with the number of resets from then on (others'
+blocks stay others'; engines that reset together, as after one weight update, share again).
+
+**Hit sources**: ``get_external_cache_hit_sources`` splits a hit by the kind of tier that
+serves it (a store's ``hit_source``: ``host``, ``disk``, ``p2p``; a remote store counts as
+vLLM's ``external_unspecified``); for ``multi``, by the tier that holds each block.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import replace
+from typing import Any
+
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvdi.connectors.base import BlockTransferMetadata, KVRequest
+from kvdi.connectors.store.keys import block_keys
+from kvdi.integrations.vllm.event_ledger import BlockFacts, SchedulerLedger, WorkerLedger, drain, sink, store_tiers
+from kvdi.integrations.vllm.fleet_stats import FleetCounters
+
+_TRANSPORT_SIZE = -1  # block_size of worker-to-scheduler events: a kvdi key, not yet an event for routers
+
+
+def tier_of(store: object) -> tuple[str, str, str]:
+    """(hit source, medium, locality) of one store: its ``hit_source`` attribute, a remote store by default."""
+    source = str(getattr(store, "hit_source", CacheHitSource.EXTERNAL_UNSPECIFIED.value))
+    if source == CacheHitSource.HOST.value:
+        return source, MEDIUM_CPU, "LOCAL"
+    return source, MEDIUM_STORAGE, "REMOTE"
+
+
+class KvdiKVEvents(KVConnectorKVEvents):  # type: ignore[misc,unused-ignore]
+    """Worker-to-scheduler facts of one step, in vLLM's container (vLLM joins the ranks' lists)."""
+
+    def __init__(self, events: list[KVCacheEvent] | None = None, num_workers: int = 1) -> None:
+        self.events = list(events or [])
+        self.num_workers = num_workers
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self.events.extend(events)
+
+    def aggregate(self) -> KvdiKVEvents:
+        return self  # the scheduler counts ranks per block across steps (SchedulerLedger)
+
+    def increment_workers(self, count: int = 1) -> None:
+        self.num_workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self.events)
+
+    def get_number_of_workers(self) -> int:
+        return self.num_workers
+
+    def clear_events(self) -> None:
+        self.events.clear()
+
+
+class FleetHooks:
+    """The fleet-facing half of :class:`KvdiConnector` (events, hit sources, reset, metrics)."""
+
+    half: Any
+    layout: Any
+    _shape: Any
+
+    def _fleet_setup(self, vllm_config: Any, worker: bool) -> None:
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        self._events_on = bool(events_config is not None and events_config.enable_kv_cache_events)
+        self._fleet = FleetCounters("worker" if worker else "scheduler", f"{self._shape.tp_rank}-{self._shape.pp_rank}")
+        self._out: list[KVCacheEvent] = []
+        self._resets = 0
+        self._vllm_requests: dict[str, Any] = {}
+        self._salted: dict[str, KVRequest] = {}
+        self._lookups: dict[str, tuple[int, KVRequest]] = {}  # request id -> (computed tokens, kvdi's request)
+        self._sched_ledger = SchedulerLedger(self._shape.tp_size * self._shape.pp_size)
+        self._worker_ledger = WorkerLedger([r.key for r in self._shape.ranks()] if self._shape.sliced else ())
+        self._tiers: list[tuple[Any, str, str]] = []
+        if worker and self._events_on:
+            self.half.block_events = deque(maxlen=1 << 20)
+            for store in store_tiers(getattr(self.half, "store", None)):
+                if hasattr(store, "evicted_keys"):
+                    store.evicted_keys = sink()
+                self._tiers.append((store, *tier_of(store)[1:]))
+
+    # -- scheduler role ------------------------------------------------------------------------
+
+    def _fleet_request(self, tracker: Any, request: Any) -> KVRequest:
+        """kvdi's view of ``request``, salted with the reset count after a ``reset_cache``."""
+        req: KVRequest = tracker.request(request)
+        if self._events_on:
+            self._vllm_requests[req.request_id] = request
+        if not self._resets:
+            return req
+        salted = self._salted.get(req.request_id)
+        if salted is None:
+            salt = f"{req.cache_salt or ''}|kvdi-reset:{self._resets}"
+            salted = self._salted[req.request_id] = replace(req, cache_salt=salt)
+            tracker.remember(salted)
+        return salted
+
+    def _fleet_looked_up(self, req: KVRequest, num_computed_tokens: int, matched: int | None) -> None:
+        self._fleet.looked_up(len(req.prompt_token_ids), num_computed_tokens, matched or 0, self.layout.block_size)
+        self._lookups[req.request_id] = (num_computed_tokens, req)
+
+    def _fleet_planned(self, inner: object, finished: Any) -> None:
+        """Capture vLLM's facts of this step's planned saves; forget requests that finished."""
+        if self._events_on and isinstance(inner, BlockTransferMetadata) and inner.saves:
+            for transfer in inner.saves:
+                self._capture(transfer.request_id, transfer.block_keys)
+        for rid in finished or ():
+            rid = str(rid)
+            self._vllm_requests.pop(rid, None)
+            self._salted.pop(rid, None)
+            self._lookups.pop(rid, None)
+
+    def _capture(self, request_id: str, keys: tuple[bytes, ...]) -> None:
+        request = self._vllm_requests.get(request_id)
+        req = self._salted.get(request_id)
+        if request is None:
+            return
+        tokens = list(request.all_token_ids)
+        salt = req.cache_salt if req is not None else _kv_salt(request)
+        index = {k: i for i, k in enumerate(block_keys(tokens[: len(request.prompt_token_ids)], self.layout, salt))}
+        hashes, bs = request.block_hashes, self.layout.block_size
+        lora = getattr(request, "lora_request", None)
+        for key in keys:
+            i = index.get(key)
+            if i is None or i >= len(hashes):
+                continue
+            extra, _ = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, 0)
+            facts = BlockFacts(
+                hashes[i],
+                hashes[i - 1] if i else None,
+                tuple(tokens[i * bs : (i + 1) * bs]),
+                getattr(lora, "lora_name", None),
+                getattr(lora, "adapter_id", None),
+                to_event_extra_keys([extra]),
+            )
+            self._sched_ledger.planned(key, facts)
+
+    def _fleet_worker_events(self, connector_output: Any) -> None:
+        """Turn the ranks' reports into events for routers (a block is stored once every rank's slice is)."""
+        reported = getattr(connector_output, "kv_cache_events", None)
+        if not isinstance(reported, KvdiKVEvents):
+            return
+        for event in reported.get_all_events():
+            if isinstance(event, BlockStored):
+                facts = self._sched_ledger.landed(event.block_hashes[0], str(event.medium), event.locality)
+                if facts is not None:
+                    self._out.append(_stored(facts, event, self.layout.block_size))
+            elif isinstance(event, BlockRemoved):
+                block_hash = self._sched_ledger.removed(event.block_hashes[0], str(event.medium))
+                if block_hash is not None:
+                    ext = maybe_convert_block_hash(block_hash)
+                    self._out.append(BlockRemoved([ext], event.medium, 0, event.locality))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """vLLM's hook: kvdi's events since the last call (published with vLLM's own)."""
+        out, self._out = self._out, []
+        return out
+
+    def reset_cache(self) -> bool:
+        """vLLM's hook (``reset_prefix_cache(reset_connector=True)``): stop offering what was stored before it."""
+        self._resets += 1
+        self._salted.clear()
+        self._sched_ledger.clear()
+        if self._events_on:
+            self._out.append(AllBlocksCleared())
+        return True
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """vLLM's hook: ``num_external_tokens`` split by the kind of tier that serves them."""
+        if num_external_tokens <= 0:
+            return {}
+        store = getattr(self.half, "store", self.half)
+        tiers = store_tiers(store)
+        if len(tiers) == 1:
+            source = getattr(self.half, "hit_source", None) or tier_of(tiers[0])[0]
+            return {CacheHitSource(source): num_external_tokens}
+        return self._split_by_tier(str(request.request_id), tiers, num_external_tokens)
+
+    def _split_by_tier(self, rid: str, tiers: list[Any], tokens: int) -> dict[CacheHitSource, int]:
+        computed, req = self._lookups.get(rid, (0, None))
+        bs = self.layout.block_size
+        keys = block_keys(req.prompt_token_ids, self.layout, req.cache_salt)[computed // bs :] if req else []
+        out: dict[CacheHitSource, int] = {}
+        served = 0
+        for store in tiers:
+            try:
+                held = min(store.count_prefix(keys), -(-tokens // bs)) * bs
+            except Exception:
+                continue
+            if held > served:
+                source = CacheHitSource(tier_of(store)[0])
+                out[source] = out.get(source, 0) + min(held, tokens) - served
+                served = min(held, tokens)
+        if served < tokens:
+            out[CacheHitSource.EXTERNAL_UNSPECIFIED] = tokens - served
+        return out
+
+    # -- worker role ---------------------------------------------------------------------------
+
+    def _fleet_saw(self, inner: object) -> None:
+        if self._events_on:
+            self._worker_ledger.saw(inner)
+
+    def get_kv_connector_kv_cache_events(self) -> KvdiKVEvents | None:
+        """vLLM's worker hook: this rank's landed, evicted and dropped blocks (by block key) since the last call."""
+        if not self._events_on or not self._tiers:
+            return None
+        events: list[KVCacheEvent] = []
+        reported: list[tuple[bool, bytes]] = drain(getattr(self.half, "block_events", None))
+        landed = [k for ok, k in reported if ok]
+        dropped = [k for ok, k in reported if not ok]
+        for medium, locality in dict.fromkeys((m, loc) for _, m, loc in self._tiers):  # one report per kind
+            events.extend(_transport_stored(k, medium, locality) for k in self._worker_ledger.block_keys(landed))
+            events.extend(BlockRemoved([k], medium, None, locality) for k in self._worker_ledger.block_keys(dropped))
+        for store, medium, locality in self._tiers:
+            gone = drain(getattr(store, "evicted_keys", None))
+            events.extend(BlockRemoved([k], medium, None, locality) for k in self._worker_ledger.block_keys(gone))
+        return KvdiKVEvents(events) if events else None
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        from kvdi.integrations.vllm.prom import FleetConnectorStats
+
+        return FleetConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any, labelvalues: Any) -> Any:
+        """vLLM's hook: kvdi's Prometheus series on ``/metrics`` (:mod:`.prom`)."""
+        from kvdi.integrations.vllm.prom import build_prom_metrics
+
+        return build_prom_metrics(vllm_config, metric_types, labelnames, labelvalues)
+
+
+def _kv_salt(request: Any) -> str | None:
+    from kvdi.integrations.vllm.requests import kv_request
+
+    return kv_request(request).cache_salt
+
+
+def _transport_stored(key: bytes, medium: str, locality: str) -> BlockStored:
+    return BlockStored([key], None, [], _TRANSPORT_SIZE, None, medium, None, locality=locality)
+
+
+def _stored(facts: BlockFacts, event: BlockStored, block_size: int) -> BlockStored:
+    return BlockStored(
+        block_hashes=[maybe_convert_block_hash(facts.block_hash)],
+        parent_block_hash=None if facts.parent_hash is None else maybe_convert_block_hash(facts.parent_hash),
+        token_ids=list(facts.token_ids),
+        block_size=block_size,
+        lora_id=facts.lora_id,
+        medium=event.medium,
+        lora_name=facts.lora_name,
+        extra_keys=facts.extra_keys,
+        group_idx=0,
+        locality=event.locality,
+    )
+
+
+__all__ = ["FleetHooks", "KvdiKVEvents", "tier_of"]

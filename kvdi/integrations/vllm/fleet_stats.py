@@ -1,0 +1,102 @@
+"""What kvdi adds to each step's stats for Prometheus, beside its plain counters (vLLM-free).
+
+vLLM sums a connector's per-step stats across worker ranks and the scheduler before one
+``observe`` call per step (:mod:`.prom`). kvdi's plain counters (``{connector: {counter:
+delta}}``) stay as they are for vLLM's log line and for :mod:`.stats`; this module adds one
+entry, :data:`PROM_KEY`, that keeps what Prometheus needs and the sum would lose:
+
+- ``c|<role>|<counter>``: counter deltas by the role that counted them (the scheduler and
+  the worker both count ``load_failures``), including ``lookup_miss_blocks``;
+- ``h|<role>|<counter>``: a list of per-step seconds (``load_seconds`` and ``save_seconds``
+  of each step that moved any), concatenated across ranks;
+- ``g|<role>|<rank>|<gauge>|<label>``: gauges by rank, sent only when they change (bytes in
+  flight; a Redis node's breaker: 1 open, 0 otherwise), so the observer keeps the last value
+  of each rank and sums them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROM_KEY = "kvdi/prom"
+HISTOGRAM_COUNTERS = ("load_seconds", "save_seconds")
+
+
+def breaker_states(store: object) -> dict[str, bool]:
+    """Whether each Redis node's breaker is open, by node label, for a store or any store it wraps."""
+    out: dict[str, bool] = {}
+    breakers = getattr(store, "breakers", None)  # a Redis Cluster: one per node
+    if isinstance(breakers, dict):
+        out.update({str(node): b.state.value == "open" for node, b in breakers.items()})
+    node = getattr(store, "node", None)  # one Redis server
+    if node is not None and hasattr(node, "breaker"):
+        out[str(node.label)] = node.breaker.state.value == "open"
+    for _, tier in getattr(store, "tiers", None) or ():  # multi
+        out.update(breaker_states(tier))
+    inner = getattr(store, "backend", None)  # a wrapper (all-ranks lookups)
+    if inner is not None and inner is not store:
+        out.update(breaker_states(inner))
+    return out
+
+
+class FleetCounters:
+    """One connector half's additions for Prometheus: miss blocks, per-step seconds, gauges when changed."""
+
+    def __init__(self, role: str, rank: str) -> None:
+        self.role = role
+        self.rank = rank
+        self.lookup_miss_blocks = 0
+        self._reported_misses = 0
+        self._gauges: dict[str, float] = {}
+
+    def looked_up(self, prompt_tokens: int, num_computed_tokens: int, matched_tokens: int, block_size: int) -> None:
+        """Count the blocks a lookup asked for and did not get (scheduler role)."""
+        asked = max(prompt_tokens - 1, 0) // block_size - num_computed_tokens // block_size
+        self.lookup_miss_blocks += max(asked - max(matched_tokens, 0) // block_size, 0)
+
+    def entry(self, delta: dict[str, int | float] | None, half: object) -> dict[str, Any] | None:
+        """The :data:`PROM_KEY` entry of this step (None when nothing changed)."""
+        out: dict[str, Any] = {}
+        for name, value in (delta or {}).items():
+            if name in HISTOGRAM_COUNTERS:
+                out[f"h|{self.role}|{name}"] = [value]
+            else:
+                out[f"c|{self.role}|{name}"] = value
+        misses = self.lookup_miss_blocks - self._reported_misses
+        if misses:
+            out[f"c|{self.role}|lookup_miss_blocks"] = misses
+            self._reported_misses = self.lookup_miss_blocks
+        for gauge, value in self._gauge_values(half).items():
+            if self._gauges.get(gauge) != value:
+                self._gauges[gauge] = value
+                out[f"g|{self.role}|{self.rank}|{gauge}"] = value
+        return out or None
+
+    def _gauge_values(self, half: object) -> dict[str, float]:
+        values: dict[str, float] = {}
+        inflight = getattr(half, "inflight_bytes", None)
+        if isinstance(inflight, int):
+            values["inflight_bytes|"] = float(inflight)
+        store = getattr(half, "store", None)
+        if store is not None:
+            for node, is_open in breaker_states(store).items():
+                values[f"breaker_open|{node}"] = 1.0 if is_open else 0.0
+        return values
+
+
+def merge_entries(mine: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """Two :data:`PROM_KEY` entries as one: counters summed, histogram lists joined, gauges by rank kept."""
+    merged = dict(mine)
+    for key, value in other.items():
+        if key not in merged:
+            merged[key] = list(value) if isinstance(value, list) else value
+        elif key.startswith("h|"):
+            merged[key] = [*merged[key], *value]
+        elif key.startswith("g|"):
+            merged[key] = value  # the later report of the same rank wins
+        else:
+            merged[key] = merged[key] + value
+    return merged
+
+
+__all__ = ["HISTOGRAM_COUNTERS", "PROM_KEY", "FleetCounters", "breaker_states", "merge_entries"]
