@@ -322,11 +322,18 @@ class RedisBlockStore:
         self._replies(Exchange(self.node, [pack_command(b"DEL", self._name(key))], 1, "discard"))
 
     def check(self) -> str:
-        """Reach the server, make sure it is not a cluster node: a one-line summary, or ConfigError."""
-        from kvdi.connectors.redis.probe import check_single
+        """Reach the server, make sure it is not a cluster node and stores objects (a probe key written and
+        deleted): a one-line summary, or ConfigError."""
+        from kvdi.connectors.redis.probe import PROBE_TTL_S, check_single, probe_name
 
         exchange = self.node.run(Exchange(self.node, [pack_command(b"INFO", b"cluster")], 1, "check"))
-        return check_single(exchange.result, self.url)
+
+        def probe() -> list[object] | OSError | None:
+            name, ttl = probe_name(self._prefix), str(PROBE_TTL_S).encode()
+            packed = pack_command(b"SET", name, b"probe", b"EX", ttl) + pack_command(b"DEL", name)
+            return self.node.run(Exchange(self.node, [packed], 2, "check")).result
+
+        return check_single(exchange.result, self.url, probe)
 
     def close(self) -> None:
         """Close every pooled connection; the store must not be used afterwards."""
