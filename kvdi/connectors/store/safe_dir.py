@@ -72,7 +72,7 @@ class SafeDir:
         if fd is not None:
             if not create or self._still_inside(name, fd):
                 return fd
-            self._forget(name, fd)
+            self._forget(name)
         root = self.open()
         try:
             fd = os.open(name, DIR_FLAGS, dir_fd=root)
@@ -105,17 +105,16 @@ class SafeDir:
             return False
         return stat.S_ISDIR(st.st_mode) and self._ids.get(name) == (st.st_dev, st.st_ino)
 
-    def _forget(self, name: str, fd: int) -> None:
+    def _forget(self, name: str) -> None:
+        """A cached folder is not under the root any more (moved out, replaced, or the root itself removed):
+        forget every descriptor, so the root and the folder are opened (or created) afresh."""
         logger.warning(
-            "store %s: the folder %r is no longer the one under the store (moved or replaced); not writing there",
+            "store %s: the folder %r is no longer the one under the store (moved, replaced or removed); "
+            "reopening, never writing there",
             self.root,
             name,
         )
-        with self._lock:
-            if self._subs.get(name) == fd:
-                del self._subs[name]
-                self._ids.pop(name, None)
-                self._retired.append(fd)  # closed by close(): another thread may still use it
+        self.reset()
 
     def reset(self) -> None:
         """Forget every cached descriptor (the tree was removed or replaced under us); the next call reopens.
