@@ -9,6 +9,9 @@
   ``api_key``, ``access_key``, ``secret``...) names a secret.
 - :func:`mask_value`: any settings value (nested mappings and lists included, SecretStr
   too) made safe to print, given the dotted path it sits at.
+- :class:`MaskedMapping` / :data:`MaskedDict`: a free-form mapping setting (such as
+  ``kv_connector_extra_config``) whose ``repr``, ``str`` and JSON dumps hide secret-looking
+  keys' values, while the program still reads the real values.
 
 Every place that prints settings or URLs (``kvdi info``/``check``, settings error
 messages, the demo, the Redis store) goes through these functions.
@@ -18,9 +21,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import SecretStr
+from pydantic import AfterValidator, PlainSerializer, SecretStr
 
 MASK = "***"
 MAX_DEPTH = 64  # deeper values are shown as MASK rather than walked
@@ -47,6 +50,9 @@ _SECRET_WORDS = frozenset(
     }
 )
 _SECRET_NAMES = frozenset({"accesskey", "secretkey", "privatekey", "apikey", "sessionkey"})
+_TOKEN_WORDS = frozenset({"token", "tokens"})
+_COUNT_WORDS = frozenset({"max", "min", "num", "count", "batched", "total", "per", "limit", "budget", "new", "prompt"})
+"""Words that make ``tokens`` a number of LLM tokens (``max_num_batched_tokens``), not a credential."""
 
 
 def is_secret_key(name: str) -> bool:
@@ -54,12 +60,15 @@ def is_secret_key(name: str) -> bool:
 
     Secret: a word such as ``password``, ``pass``, ``pwd``, ``secret``, ``token``, ``auth``,
     ``credentials``, ``apikey``, or a name ending in ``_key`` (``api_key``, ``access_key``,
-    ``integrity_key``). ``key_prefix`` or ``integrity_key_file`` are not secrets.
+    ``integrity_key``). ``key_prefix`` or ``integrity_key_file`` are not secrets, and neither is a
+    count of LLM tokens (``max_num_batched_tokens``, ``max_tokens``: ``token(s)`` beside a word such
+    as ``max``, ``num`` or ``per``).
     """
     words = [w for w in _WORD_RE.split(name.lower()) if w]
     if not words:
         return False
-    if any(w in _SECRET_WORDS for w in words):
+    counted = not _COUNT_WORDS.isdisjoint(words)
+    if any(w in _SECRET_WORDS and not (counted and w in _TOKEN_WORDS) for w in words):
         return True
     if "".join(words) in _SECRET_NAMES:
         return True
@@ -158,4 +167,31 @@ def _leaf(path: str) -> str:
     return path.rsplit(".", 1)[-1]
 
 
-__all__ = ["MASK", "MAX_DEPTH", "is_secret_key", "mask_text", "mask_url", "mask_value"]
+class MaskedMapping(dict[str, Any]):
+    """A dict whose ``repr`` and ``str`` show secret-looking keys' values as ``***`` (the values are kept)."""
+
+    def __repr__(self) -> str:
+        return repr(mask_value("", dict(self)))
+
+    __str__ = __repr__
+
+
+def _masked_json(value: dict[str, Any]) -> Any:
+    return mask_value("", dict(value))
+
+
+MaskedDict = Annotated[dict[str, Any], AfterValidator(MaskedMapping), PlainSerializer(_masked_json, when_used="json")]
+"""A free-form ``dict[str, Any]`` setting: read as it is, printed (``repr``, ``str``, ``model_dump_json``,
+``model_dump(mode="json")``) with secret-looking keys masked."""
+
+
+__all__ = [
+    "MASK",
+    "MAX_DEPTH",
+    "MaskedDict",
+    "MaskedMapping",
+    "is_secret_key",
+    "mask_text",
+    "mask_url",
+    "mask_value",
+]

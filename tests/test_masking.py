@@ -136,3 +136,41 @@ def test_mask_text_masks_urls_inside_messages() -> None:
     shown = mask_text(text)
     assert "pa/ss" not in shown and "ss#w" not in shown and "u:x@" not in shown
     assert shown == "redis at redis://:***@h:1/0 failed; retry 'rediss://u:***@y/0' later"
+
+
+@pytest.mark.parametrize(
+    "name", ["max_num_batched_tokens", "max_tokens", "num_tokens", "tokens_per_block", "max_new_tokens"]
+)
+def test_counts_of_llm_tokens_are_not_secrets(name: str) -> None:
+    assert not is_secret_key(name)
+    assert mask_value(f"scheduler.{name}", 2048) == 2048
+
+
+@pytest.mark.parametrize("name", ["token", "tokens", "auth_token", "hf_token", "access_tokens", "api_token"])
+def test_credentials_named_token_stay_secrets(name: str) -> None:
+    assert is_secret_key(name)
+
+
+def test_kvdi_info_shows_the_batched_token_budget(kvdi_env: object) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvdi.cli", "info"], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    (line,) = [line for line in out.splitlines() if "max_num_batched_tokens" in line]
+    assert MASK not in line and any(ch.isdigit() for ch in line)
+
+
+EXTRA = {"api_key": "SECRET-1", "nested": {"password": "SECRET-2", "urls": ["redis://:SECRET-3@h/0"]}, "plain": 5}
+
+
+def test_secret_looking_extra_config_keys_are_masked_in_repr_str_and_json(kvdi_env: object) -> None:
+    from kvdi.settings import load_settings
+
+    settings = load_settings(kv_connector_extra_config=EXTRA)
+    for shown in (repr(settings), str(settings), settings.model_dump_json(), str(settings.model_dump(mode="json"))):
+        assert "SECRET-" not in shown
+    assert "'plain': 5" in repr(settings.kv_connector_extra_config)
+    assert settings.kv_connector_extra_config == EXTRA  # the program still reads the real values
+    assert settings.model_dump()["kv_connector_extra_config"]["api_key"] == "SECRET-1"

@@ -42,7 +42,7 @@ from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.store.fileio import list_entries, readv_full, writev_full
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer
 from kvdi.connectors.store.integrity import frame_key
-from kvdi.connectors.store.safe_dir import SafeDir
+from kvdi.connectors.store.safe_dir import SafeDir, vet_root
 from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -355,6 +355,7 @@ def open_store(options: SharedStorageSettings, layout: KVCacheSpec, settings: Kv
     """The backend factory named by the ``shared_storage`` spec: creates the directory if needed."""
     frame_key(settings)  # a bad integrity key is a ConfigError when the backend is built (and in `kvdi check`)
     root = Path(options.path).expanduser()
+    vet_root(root, options.mode)  # others may not write; a world-writable root is worth a warning
     store = FileBlockStore(root, options.max_bytes, mode=options.mode, object_bytes=HEADER_SIZE + layout.block_bytes)
     try:
         store.open()  # now: a bad path is a ConfigError at build time, not a miss per call

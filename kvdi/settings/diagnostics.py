@@ -5,6 +5,12 @@
   did-you-mean; :data:`NON_SETTING_ENV_VARS` lists the ``KVDI_`` variables that are not settings;
 - :func:`describe_validation_error`: one line per pydantic error, blamed on the variable the
   user set (``blame``), with the input masked: a secret field's input is shown as ``***``.
+
+Every message is bounded, whatever the input: at most :data:`MAX_ERRORS` errors are described
+(then "and N more"), each name or value echoed is cut to :data:`MAX_ECHO` characters with an
+ellipsis (:func:`clip`), a list of known names is given once per section, and a did-you-mean is
+looked for only for names of a plausible length. A settings file with 100 000 unknown keys or a
+100 000-character variable name gives one short line, at once.
 """
 
 from __future__ import annotations
@@ -29,6 +35,22 @@ NON_SETTING_ENV_VARS = frozenset({SETTINGS_FILE_ENV, TRANSFER_CONFIG_ENV, TEST_R
 
 Loc = tuple[str | int, ...]
 
+MAX_ERRORS = 10
+"""Errors described in one message; the rest are counted."""
+MAX_ECHO = 80
+"""Characters of a user's name or value echoed in a message."""
+_MAX_GUESS = 200  # names longer than this get no did-you-mean (difflib is quadratic)
+
+
+def clip(text: str, limit: int = MAX_ECHO) -> str:
+    """``text`` cut to ``limit`` characters, ending in ``...`` when cut."""
+    return text if len(text) <= limit else text[: max(0, limit - 3)] + "..."
+
+
+def guess(value: str, choices: list[str]) -> str:
+    """:func:`~kvdi.errors.did_you_mean`, bounded: nothing for a name too long to be a typo of a choice."""
+    return did_you_mean(value, choices) if len(value) <= _MAX_GUESS else ""
+
 
 def env_var_for(loc: Loc) -> str:
     """The env var that sets a field path, e.g. ``('allocator', 'block_size')`` -> ``KVDI_ALLOCATOR__BLOCK_SIZE``."""
@@ -47,30 +69,38 @@ def describe_validation_error(
     """
     name_of = blame or env_var_for
     parts = []
-    for err in exc.errors():
+    listed: set[Loc] = set()  # sections whose known names were already listed
+    errors = exc.errors(include_url=False)
+    for err in errors[:MAX_ERRORS]:
         loc = tuple(p for p in err["loc"] if not isinstance(p, int))
-        setting = ".".join(str(p) for p in loc) or "settings"
+        setting = clip(".".join(str(p) for p in loc) or "settings")
         value = err.get("input")
-        msg = err["msg"]
+        msg = clip(err["msg"], 4 * MAX_ECHO)
         hint = ""
         expected = (err.get("ctx") or {}).get("expected")
         secret = _is_secret_field(model, loc)
         if isinstance(value, str) and isinstance(expected, str) and not secret:
-            hint = did_you_mean(value, re.findall(r"'([^']+)'", expected))
+            hint = guess(value, re.findall(r"'([^']+)'", expected))
         if err["type"] == "extra_forbidden":
             known = _known_names(model, loc[:-1])
-            hint = did_you_mean(str(loc[-1]), known)
-            msg = f"unknown setting; known: {', '.join(sorted(known))}"
+            hint = guess(str(loc[-1]), known)
+            msg = "unknown setting" if loc[:-1] in listed else f"unknown setting; known: {', '.join(sorted(known))}"
+            listed.add(loc[:-1])
             value_txt = ""
         else:
             value_txt = f"={MASK if secret else _show(setting, value)}"
-        parts.append(f"{setting} ({name_of(loc)}{value_txt}): {msg}{hint}")
+        parts.append(f"{setting} ({clip(name_of(loc), 6 * MAX_ECHO)}{value_txt}): {msg}{hint}")
+    if len(errors) > MAX_ERRORS:
+        parts.append(f"and {len(errors) - MAX_ERRORS} more errors (fix these first)")
     return "invalid settings: " + "; ".join(parts)
 
 
 def _show(path: str, value: Any) -> str:
-    text = repr(mask_value(path, value))
-    return text if len(text) <= 60 else text[:57] + "..."
+    if isinstance(value, str | bytes) and len(value) > 4 * MAX_ECHO:
+        value = value[: 4 * MAX_ECHO]  # repr of a huge value is not built just to be cut
+    elif isinstance(value, dict | list | tuple | set) and len(value) > MAX_ERRORS:
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return clip(repr(mask_value(path, value)), 60)
 
 
 def _field_annotation(model: type[BaseModel], loc: Loc) -> Any:
@@ -117,7 +147,7 @@ def check_env_keys(environ: Mapping[str, str] | None = None) -> None:
                 candidates = [env_var_for((*path[:depth], name)) for name in fields]
                 if depth == 0:
                     candidates += sorted(NON_SETTING_ENV_VARS)
-                raise ConfigError(f"{key} is not a kvdi setting{did_you_mean(upper, candidates)}")
+                raise ConfigError(f"{clip(key)} is not a kvdi setting{guess(upper, candidates)}")
             annotation = fields[part].annotation
             if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
                 break  # a leaf; deeper parts belong to a dict value such as extra config
@@ -125,9 +155,12 @@ def check_env_keys(environ: Mapping[str, str] | None = None) -> None:
 
 
 __all__ = [
+    "MAX_ECHO",
+    "MAX_ERRORS",
     "NON_SETTING_ENV_VARS",
     "TEST_REDIS_SERVER_ENV",
     "check_env_keys",
+    "clip",
     "describe_validation_error",
     "env_var_for",
 ]

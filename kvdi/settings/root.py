@@ -23,6 +23,7 @@ from pydantic_settings import (
 )
 
 from kvdi.errors import ConfigError
+from kvdi.masking import MaskedDict
 from kvdi.settings.paths import MAX_NESTING, nesting_depth
 from kvdi.settings.sections import (
     AllocatorSettings,
@@ -39,6 +40,8 @@ from kvdi.settings.sections import (
 )
 from kvdi.settings.vllm_compat import TRANSFER_CONFIG_ENV, VllmCompatSource
 
+MAX_SETTINGS_FILE_BYTES = 1 << 20
+"""The largest KVDI_SETTINGS_FILE read (real ones are a few KB; parsing a huge one would take seconds)."""
 ENV_PREFIX = "KVDI_"
 SETTINGS_FILE_ENV = "KVDI_SETTINGS_FILE"
 ENV_ONLY_VARS = (SETTINGS_FILE_ENV, TRANSFER_CONFIG_ENV, "KVDI_TEST_REDIS_SERVER")
@@ -88,7 +91,7 @@ class KvdiSettings(BaseSettings):
     kv_connector: str = Field("shared_storage", max_length=256)
     kv_role: KVRole = "kv_both"
     kv_connector_module_path: str | None = Field(None, max_length=1024)
-    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+    kv_connector_extra_config: MaskedDict = Field(default_factory=dict)  # secret-looking keys masked when shown
     engine_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=256)
     kv_load_failure_policy: LoadFailurePolicy = "recompute"
     use_v1: bool = True
@@ -184,6 +187,10 @@ def _toml_source(settings_cls: type[BaseSettings], toml_file: str) -> TomlConfig
         path = Path(toml_file)
         if not path.is_file():
             raise ConfigError(f"{where}: no such file")
+        if path.stat().st_size > MAX_SETTINGS_FILE_BYTES:  # parsing is slow (and read twice on an error)
+            raise ConfigError(
+                f"{where}: {path.stat().st_size} B; a settings file is at most {MAX_SETTINGS_FILE_BYTES} B"
+            )
         source = TomlConfigSettingsSource(settings_cls, toml_file=path)
     except RecursionError:
         raise ConfigError(f"{where}: nested deeper than {MAX_NESTING} levels") from None

@@ -159,10 +159,11 @@ class RedisClusterBlockStore:
                 raise exchange.result
 
     def check(self) -> str:
-        """Reach the cluster: masters, replicas and slot coverage in one line; ConfigError when it cannot serve."""
+        """Reach the cluster: masters, replicas and slot coverage in one line; ConfigError when it cannot serve
+        (every master must also store and delete a probe key)."""
         from kvdi.connectors.redis.probe import check_cluster
 
-        return check_cluster(self._connect, self.url)
+        return check_cluster(self._connect, self.url, self._prefix)
 
     def close(self) -> None:
         """Close every node's connections; the store must not be used afterwards."""

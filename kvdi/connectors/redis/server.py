@@ -4,8 +4,9 @@ Each block is one key (``key_prefix`` + hex of the block key) written with a sin
 (``EX`` when ``ttl_s`` is set), so a reader sees a whole object or nothing. Batches travel
 as one packed pipeline per server (one round trip), never in a transaction. Lookups use
 ``STRLEN`` (an existence check that also sees empty values as absent); reads use
-``GETRANGE key 0 limit`` when the frame size is known, so a huge value costs at most one
-frame of memory. Replies are read raw and classified (:mod:`.wire`): a reply of the wrong
+``GETRANGE key 0 limit`` when the frame size is known, and read those replies off the socket
+with a bound (:mod:`.bounded`), so a huge value costs at most one frame of memory even on a
+server that ignores the range. Replies are read raw and classified (:mod:`.wire`): a reply of the wrong
 type is a bad object or a miss, never an exception from redis-py's callbacks.
 
 A dead or hung server costs a miss, not a stall: every call is bounded by
@@ -30,6 +31,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvdi.connectors.logging_once import log_once
+from kvdi.connectors.redis.bounded import CutReplies, read_replies
 from kvdi.connectors.redis.breaker import BreakerOpenError, CircuitBreaker
 from kvdi.connectors.redis.wire import describe, object_or_none, pack_sets, present, send_gathered, written
 from kvdi.connectors.store.framing import Buffer
@@ -64,6 +66,7 @@ class Exchange:
     chunks: list[Buffer]
     replies: int
     op: str
+    bound: int | None = None  # read replies off the socket, at most this many value bytes each (reads)
     result: list[object] | OSError | None = None
     _conn: Any = field(default=None, repr=False)
 
@@ -81,6 +84,10 @@ class RedisNode:
         self.label = label
         self.breaker = breaker
         self.address = address  # host:port of a cluster node ("" for a single server)
+        self.cut_replies = 0
+        """Read batches cut short: a reply longer than one frame (whatever the server claimed), or of an
+        aggregate type; the reply is a bad object, the rest of its batch misses, the connection dropped."""
+        self._logged: set[str] = set()
 
     def run(self, exchange: Exchange) -> Exchange:
         """:meth:`send` and :meth:`receive` one exchange."""
@@ -123,11 +130,20 @@ class RedisNode:
         conn = exchange._conn
         replies: list[object] = []
         try:
-            for _ in range(exchange.replies):
+            if exchange.bound is not None and getattr(conn, "_sock", None) is not None:
+                replies = read_replies(conn._sock, exchange.replies, exchange.bound, conn.socket_timeout or 2.0)
+            for _ in range(exchange.replies - len(replies)):
                 try:
                     replies.append(conn.read_response())
                 except redis.ResponseError as exc:  # an error reply for one command (WRONGTYPE, OOM, MOVED...)
                     replies.append(exc)
+        except CutReplies as cut:  # the server answered, but past what a frame can be: never read on
+            self.cut_replies += 1
+            log_once(logger, self._logged, "cut", "redis at %s: %s: reply cut, connection dropped (logged once)",
+                     self.label, cut.why)  # fmt: skip
+            self._drop(exchange)
+            exchange.result = cut.replies
+            return
         except Exception as exc:  # a dead socket, a timeout, or a reply redis-py could not parse
             exchange.result = self._failed(exchange.op, exc)
             self._drop(exchange)
@@ -177,13 +193,16 @@ def lookup_exchange(node: RedisNode, names: Sequence[bytes]) -> Exchange:
 
 
 def read_exchange(node: RedisNode, names: Sequence[bytes], limit: int | None) -> Exchange:
-    """``GETRANGE name 0 limit`` per name (``GET`` without a limit); read replies with :func:`~.wire.object_or_none`."""
+    """``GETRANGE name 0 limit`` per name (``GET`` without a limit); read replies with :func:`~.wire.object_or_none`.
+
+    With a limit the replies are read off the socket with a bound of ``limit + 1`` bytes each
+    (:mod:`.bounded`), whatever length the server announces."""
     if limit is None:
         packed = b"".join(pack_command(b"GET", n) for n in names)
-    else:
-        end = str(limit).encode()
-        packed = b"".join(pack_command(b"GETRANGE", n, b"0", end) for n in names)
-    return Exchange(node, [packed], len(names), "get_many")
+        return Exchange(node, [packed], len(names), "get_many")
+    end = str(limit).encode()
+    packed = b"".join(pack_command(b"GETRANGE", n, b"0", end) for n in names)
+    return Exchange(node, [packed], len(names), "get_many", bound=limit + 1)
 
 
 def write_exchange(
@@ -303,11 +322,18 @@ class RedisBlockStore:
         self._replies(Exchange(self.node, [pack_command(b"DEL", self._name(key))], 1, "discard"))
 
     def check(self) -> str:
-        """Reach the server, make sure it is not a cluster node: a one-line summary, or ConfigError."""
-        from kvdi.connectors.redis.probe import check_single
+        """Reach the server, make sure it is not a cluster node and stores objects (a probe key written and
+        deleted): a one-line summary, or ConfigError."""
+        from kvdi.connectors.redis.probe import PROBE_TTL_S, check_single, probe_name
 
         exchange = self.node.run(Exchange(self.node, [pack_command(b"INFO", b"cluster")], 1, "check"))
-        return check_single(exchange.result, self.url)
+
+        def probe() -> list[object] | OSError | None:
+            name, ttl = probe_name(self._prefix), str(PROBE_TTL_S).encode()
+            packed = pack_command(b"SET", name, b"probe", b"EX", ttl) + pack_command(b"DEL", name)
+            return self.node.run(Exchange(self.node, [packed], 2, "check")).result
+
+        return check_single(exchange.result, self.url, probe)
 
     def close(self) -> None:
         """Close every pooled connection; the store must not be used afterwards."""

@@ -66,8 +66,19 @@ def read_key_file(path: str) -> bytes:
 
 
 def _key(raw: bytes, where: str) -> FrameKey:
+    """The key of ``raw``; a ConfigError when it holds fewer than MIN_KEY_BYTES bytes besides whitespace
+    (a file of newlines or spaces, an editor's padding around a short word) or one byte repeated."""
     if len(raw) < MIN_KEY_BYTES:
         raise ConfigError(f"{where}: an integrity key needs at least {MIN_KEY_BYTES} bytes, got {len(raw)}")
+    meaningful = raw.strip()
+    if len(meaningful) < MIN_KEY_BYTES:
+        raise ConfigError(
+            f"{where}: an integrity key needs at least {MIN_KEY_BYTES} bytes that are not whitespace, got "
+            f"{len(meaningful)}; make one with: head -c 32 /dev/urandom | base64"
+        )
+    if len(set(meaningful)) == 1:
+        raise ConfigError(f"{where}: an integrity key of one repeated byte is no secret; make one with: "
+                          "head -c 32 /dev/urandom | base64")  # fmt: skip
     return FrameKey(raw)
 
 
