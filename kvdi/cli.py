@@ -158,6 +158,7 @@ def connector_rows() -> list[dict[str, Any]]:
                 "origin": entry.origin,
                 "scheduler": spec.scheduler,
                 "worker": spec.worker,
+                "backend": spec.backend,
                 "requires": list(spec.requires),
                 "installed": not missing,
                 "missing": list(missing),
@@ -176,12 +177,12 @@ def cmd_connectors(args: argparse.Namespace, _rest: list[str]) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="kvdi connectors")
-    for col in ("name", "origin", "scheduler", "worker", "deps"):
+    table = Table(title="kvdi connectors (--json adds the scheduler and worker classes)")
+    for col in ("name", "description", "backend", "origin", "deps"):
         table.add_column(col)
     for row in rows:
         deps = "ok" if row["installed"] else "missing: " + ", ".join(row["missing"])
-        table.add_row(row["name"], row["origin"], row["scheduler"], row["worker"], deps)
+        table.add_row(row["name"], row["description"] or "-", row["backend"] or "-", row["origin"], deps)
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     return 0
 

@@ -5,7 +5,10 @@ in this process, from the same settings (``KVDI_*`` env, ``KVDI_SETTINGS_FILE``)
 ``kv_role`` and, for the baseline, ``kv_connector=null``. The demo prints prompt tokens,
 tokens loaded vs computed, bytes moved, time to first token with the cache vs recomputed,
 and whether the consumer generated exactly the baseline's tokens. Exit status 0 means
-identical tokens and at least one loaded token; 1 means not; 2 means bad settings.
+identical tokens and at least one loaded token; 1 means not; 2 means bad settings or a
+connector the demo cannot run (:func:`cannot_demo` says why: the demo's engines run one after
+the other in one process, so it needs a store that outlives an engine). Unless ``--keep``, the
+demo discards every block it stored before it exits (a Redis server keeps nothing of it).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import random
 import statistics
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +32,8 @@ DEFAULT_PROMPTS = 4
 DEFAULT_PROMPT_LEN = 1024
 DEFAULT_NEW_TOKENS = 8
 SEED = 1234
+NEEDS_A_PEER = ("p2p",)
+"""Connectors that move KV between two live processes (a producer and its consumer); the demo has one."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class DemoOptions:
     prompt_len: int = DEFAULT_PROMPT_LEN
     new_tokens: int = DEFAULT_NEW_TOKENS
     store_dir: Path | None = None
+    keep: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class DemoReport:
     max_first_logit_diff: float
     errors: list[str]
     identical: bool
+    discarded_blocks: int = 0
 
     @property
     def ok(self) -> bool:
@@ -76,6 +83,26 @@ def make_prompts(count: int, length: int, vocab_size: int, seed: int = SEED) -> 
     """``count`` distinct prompts of ``length`` token ids, the same in every run."""
     rng = random.Random(seed)
     return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def cannot_demo(container: Any) -> str | None:
+    """Why the demo cannot show a load with the engine container's connector, or None when it can."""
+    spec = container.kv.connector().spec
+    tiers = container.kv.tiers()
+    if spec.backend is None:
+        return f"connector {spec.name!r} stores nothing"
+    if spec.name in NEEDS_A_PEER:
+        return (
+            f"connector {spec.name!r} sends KV from a live producer process to a live consumer process; "
+            "run containers/disagg_pair.py for it"
+        )
+    local = [t.name for t in tiers if t.connector.spec.process_local] if tiers else []
+    if (tiers and len(local) == len(tiers)) or (not tiers and spec.process_local):
+        where = f"all its tiers ({', '.join(local)}) keep" if tiers else "it keeps"
+        return (
+            f"connector {spec.name!r}: {where} blocks in one engine's memory, and the demo's consumer is a fresh engine"
+        )
+    return None
 
 
 def run_demo(options: DemoOptions, **overrides: Any) -> int:
@@ -97,9 +124,16 @@ def run_demo(options: DemoOptions, **overrides: Any) -> int:
 def measure(options: DemoOptions, store_dir: Path, overrides: dict[str, Any]) -> DemoReport:
     """Build the three engines one after the other and collect the figures."""
     from kvdi.containers import build_engine_container
+    from kvdi.errors import ConfigError
     from kvdi.settings import load_settings
 
     base = load_settings(**overrides)
+    why = cannot_demo(build_engine_container(base))
+    if why is not None:
+        raise ConfigError(
+            f"kvdi demo cannot run this connector: {why}. It runs shared_storage (the default), redis, or multi "
+            "with a shared tier; set KVDI_KV_CONNECTOR"
+        )
     allocator = base.allocator.model_dump()
     blocks_per_prompt = -(-(options.prompt_len + options.new_tokens) // base.allocator.block_size)
     if allocator["num_blocks"] is None and allocator["memory_fraction"] is None:
@@ -110,7 +144,7 @@ def measure(options: DemoOptions, store_dir: Path, overrides: dict[str, Any]) ->
 
     with _Progress(enabled=not options.json, per_phase=len(prompts)) as progress:
 
-        def run(phase: str, **settings: Any) -> tuple[list[RequestOutput], EngineConnectorStats, str]:
+        def run(phase: str, clean: bool = False, **settings: Any) -> tuple[list[RequestOutput], EngineConnectorStats]:
             container = build_engine_container(**{**common, **settings})
             try:
                 engine = container.engine()
@@ -121,15 +155,36 @@ def measure(options: DemoOptions, store_dir: Path, overrides: dict[str, Any]) ->
                     progress.advance(phase)
                 stats = engine.connector_stats()
                 engine.shutdown()
-                return outs, stats, container.alloc.plan().device
+                if clean:
+                    discarded.append(discard_stored(container, outs))
+                devices.append(container.alloc.plan().device)
+                return outs, stats
             finally:
                 container.shutdown_resources()
 
-        baseline, _, device = run("recompute (null connector)", kv_connector="null")
-        _produced, produced_stats, _ = run("producer (saves KV)", kv_role="kv_producer")
-        consumed, consumed_stats, _ = run("consumer (loads KV)", kv_role="kv_consumer")
+        discarded: list[int] = []
+        devices: list[str] = []
+        baseline, _ = run("recompute (null connector)", kv_connector="null")
+        _produced, produced_stats = run("producer (saves KV)", kv_role="kv_producer")
+        consumed, consumed_stats = run("consumer (loads KV)", clean=not options.keep, kv_role="kv_consumer")
 
-    return _report(options, base.kv_connector, device, baseline, consumed, produced_stats, consumed_stats)
+    report = _report(options, base.kv_connector, devices[0], baseline, consumed, produced_stats, consumed_stats)
+    return replace(report, discarded_blocks=sum(discarded))
+
+
+def discard_stored(container: Any, outs: Sequence[RequestOutput]) -> int:
+    """Discard every block the demo's requests may have stored (prompt and generated tokens); how many keys."""
+    from kvdi.connectors.store.keys import block_keys
+
+    backend = container.kv.backend()
+    discard = getattr(backend, "discard", None)
+    if not callable(discard):
+        return 0
+    layout = container.kv.layout()
+    keys = {key for o in outs for key in block_keys([*o.prompt_token_ids, *o.output_token_ids], layout)}
+    for key in keys:
+        discard(key)
+    return len(keys)
 
 
 def _report(
@@ -200,6 +255,7 @@ def print_report(report: DemoReport) -> None:
         ("speedup", f"{report.ttft_speedup:.2f}x"),
         ("max |first-token logit diff|", f"{report.max_first_logit_diff:.2e}"),
         ("identical", "yes" if report.identical else "no"),
+        ("blocks discarded afterwards", f"{report.discarded_blocks}" if report.discarded_blocks else "none (--keep)"),
     ]
     for name, value in rows:
         table.add_row(name, value)
@@ -247,15 +303,18 @@ def parse_args(argv: Sequence[str] | None) -> DemoOptions:
     parser = argparse.ArgumentParser(
         prog="kvdi demo",
         description="A producer engine saves KV, a fresh consumer engine loads it, a null-connector engine "
-        "recomputes; exit 0 when the consumer's tokens are identical and it loaded tokens.",
+        "recomputes; exit 0 when the consumer's tokens are identical and it loaded tokens. Runs shared_storage "
+        "(default), redis and multi with a shared tier; not null, cpu_offload (one process's memory) or p2p "
+        "(two live processes). Discards what it stored unless --keep.",
     )
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     parser.add_argument("--prompts", type=_positive, default=DEFAULT_PROMPTS, help="number of prompts")
     parser.add_argument("--prompt-len", type=_positive, default=DEFAULT_PROMPT_LEN, help="tokens per prompt")
     parser.add_argument("--new-tokens", type=_positive, default=DEFAULT_NEW_TOKENS, help="tokens to generate")
     parser.add_argument("--store-dir", type=Path, default=None, help="shared_storage directory (default: a temp dir)")
+    parser.add_argument("--keep", action="store_true", help="keep the blocks the demo stored (default: discard them)")
     args = parser.parse_args(argv)
-    return DemoOptions(args.json, args.prompts, args.prompt_len, args.new_tokens, args.store_dir)
+    return DemoOptions(args.json, args.prompts, args.prompt_len, args.new_tokens, args.store_dir, args.keep)
 
 
 def _positive(text: str) -> int:

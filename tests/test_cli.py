@@ -116,6 +116,16 @@ def test_connectors_table_is_printed(tmp_path: Path) -> None:
     assert "shared_storage" in r.stdout and "builtin" in r.stdout
 
 
+def test_connectors_table_tells_the_connectors_apart(tmp_path: Path) -> None:
+    """Four connectors share the store halves: the table shows each one's description and backend instead."""
+    r = kvdi("connectors", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("│")[1].strip(): line for line in r.stdout.splitlines() if line.count("│") > 4}
+    assert "host memory pool with LRU eviction" in rows["cpu_offload"]
+    assert "kvdi.connectors.redis:open_store" in rows["redis"] and "one Redis key per framed block" in rows["redis"]
+    assert "StoreSchedulerConnector" not in r.stdout
+
+
 def test_unknown_benchmark_is_a_usage_error(tmp_path: Path) -> None:
     r = kvdi("bench", "storag", cwd=tmp_path)
     assert r.returncode == 2 and "did you mean 'storage'" in r.stderr

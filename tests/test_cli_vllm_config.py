@@ -42,12 +42,12 @@ def test_a_bad_kvdi_key_in_the_vllm_config_fails_naming_the_json_key(
     kvdi_env: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A bounded kvdi.* value is validated (exit 2, one line naming the key, the value and the bound)."""
-    config = serve_config(tmp_path / "store", **{"shared_storage.max_bytes": -5, "redis.ttl_s": 0})
+    config = serve_config(tmp_path / "store", **{"shared_storage.max_bytes": -5, "redis.ttl_s": -1})
     code, out, err = check(capsys, "--vllm-config", json.dumps(config))
     assert (code, out) == (2, "")
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "shared_storage.max_bytes (--vllm-config key kvdi.shared_storage.max_bytes=-5)" in err
-    assert "redis.ttl_s (--vllm-config key kvdi.redis.ttl_s=0)" in err
+    assert "redis.ttl_s (--vllm-config key kvdi.redis.ttl_s=-1)" in err
 
 
 def test_a_misspelt_kvdi_key_in_the_vllm_config_is_refused(

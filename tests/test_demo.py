@@ -62,20 +62,59 @@ def test_demo_table_shows_the_same_figures_as_json(small_model: Path, capsys: py
     assert f"{report['bytes_loaded']:,}" in table and "identical" in table and "yes" in table
 
 
-def test_demo_writes_into_the_given_store_dir(
+def test_demo_keeps_what_it_stored_in_the_given_store_dir_only_with_keep(
     small_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """By default the demo discards every block it stored; --keep leaves them in the store."""
     store = tmp_path / "store"
-    code, _ = run_json(capsys, "--store-dir", str(store))
-    assert code == 0 and any(p.is_file() for p in store.rglob("*"))
+    code, report = run_json(capsys, "--store-dir", str(store))
+    assert code == 0 and report["discarded_blocks"] > 0
+    assert not any(p.is_file() for p in store.rglob("*"))
+    code, report = run_json(capsys, "--store-dir", str(store), "--keep")
+    assert code == 0 and report["discarded_blocks"] == 0
+    assert any(p.is_file() for p in store.rglob("*"))
 
 
-def test_demo_exits_1_when_nothing_can_be_loaded(
-    small_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("env", "reason"),
+    [
+        ({"KVDI_KV_CONNECTOR": "null"}, "'null' stores nothing"),
+        ({"KVDI_KV_CONNECTOR": "cpu_offload"}, "'cpu_offload': it keeps blocks in one engine's memory"),
+        ({"KVDI_KV_CONNECTOR": "p2p"}, "live producer process to a live consumer process"),
+        ({"KVDI_KV_CONNECTOR": "multi", "KVDI_MULTI__TIERS": '["cpu_offload"]'}, "all its tiers (cpu_offload) keep"),
+    ],
+)
+def test_demo_says_which_connectors_it_cannot_run(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], reason: str
 ) -> None:
-    monkeypatch.setenv("KVDI_KV_CONNECTOR", "null")
+    """Before building any engine: exit 2 with one line saying why and what it runs instead."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvdi.cli", "demo", *SMALL], capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert reason in done.stderr and "It runs shared_storage (the default), redis" in done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+@pytest.mark.redis
+def test_demo_on_redis_leaves_no_keys_behind(
+    small_model: Path, redis_server: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real redis-server: the demo loads through it, then discards its keys; with --keep they expire in a day."""
+    from kvdi.testing.redis_server import command
+
+    monkeypatch.setenv("KVDI_KV_CONNECTOR", "redis")
+    monkeypatch.setenv("KVDI_REDIS__URL", redis_server.url)
     code, report = run_json(capsys)
-    assert code == 1 and report["loaded_tokens"] == 0 and report["identical"] is True
+    assert code == 0 and report["loaded_tokens"] > 0 and report["discarded_blocks"] > 0
+    assert command(redis_server.port, "DBSIZE") == 0
+    code, _ = run_json(capsys, "--keep")
+    keys = command(redis_server.port, "KEYS", "kvdi:*")
+    assert code == 0 and isinstance(keys, list) and keys
+    ttls = [command(redis_server.port, "TTL", key.decode()) for key in keys]
+    assert all(isinstance(t, int) and 86_000 < t <= 86_400 for t in ttls)
 
 
 def test_kvdi_demo_command_exits_0(small_model: Path) -> None:

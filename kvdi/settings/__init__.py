@@ -1,5 +1,7 @@
 """Typed settings for kvdi, read from init kwargs, ``KVDI_*`` env, ``.env`` and a TOML file.
 
+A ``.env`` is shared with other tools: only its ``KVDI_*`` keys are read (:class:`KvdiDotEnvSource`).
+
 Modules, one concept each (imports run top to bottom, no cycle):
 
 - :mod:`~kvdi.settings.sections`: the section models (``KVDI_<SECTION>__*``) and their bounds;
@@ -22,7 +24,7 @@ from kvdi.settings.diagnostics import (
 )
 from kvdi.settings.loading import load_settings, value_sources
 from kvdi.settings.paths import MAX_NESTING, flatten, nesting_depth
-from kvdi.settings.root import ENV_PREFIX, SETTINGS_FILE_ENV, KvdiSettings, named_sources
+from kvdi.settings.root import ENV_PREFIX, SETTINGS_FILE_ENV, KvdiDotEnvSource, KvdiSettings, named_sources
 from kvdi.settings.sections import (
     MAX_BLOCKS,
     MAX_DURATION_S,
@@ -60,6 +62,7 @@ __all__ = [
     "CpuOffloadSettings",
     "Dtype",
     "KVRole",
+    "KvdiDotEnvSource",
     "KvdiSettings",
     "LoadFailurePolicy",
     "ModelSettings",

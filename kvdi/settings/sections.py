@@ -4,7 +4,8 @@ Bounds a caller may rely on once a section validated:
 
 - every duration is finite, > 0 and at most :data:`MAX_DURATION_S` (one day), which socket
   timeouts, ``threading`` waits and Redis accept;
-- ``redis.ttl_s`` is at most :data:`MAX_REDIS_TTL_S` (2**31-1 s, ~68 years): Redis refuses an
+- ``redis.ttl_s`` (default :data:`DEFAULT_REDIS_TTL_S`, one day; 0 never expires) is at most
+  :data:`MAX_REDIS_TTL_S` (2**31-1 s, ~68 years): Redis refuses an
   ``EX`` whose milliseconds, added to the current time, overflow a signed 64-bit integer;
 - in-memory byte budgets (``cpu_offload.max_bytes``, ``p2p.max_held_bytes``) are at most the
   machine's physical memory (:func:`physical_memory_bytes`), read when the value is validated;
@@ -28,6 +29,7 @@ Dtype = Literal["float32", "float16", "bfloat16"]
 
 MAX_DURATION_S = 86_400.0
 MAX_REDIS_TTL_S = 2**31 - 1
+DEFAULT_REDIS_TTL_S = 86_400  # one day: see RedisSettings.ttl_s
 MAX_STORE_BYTES = 2**63 - 1  # the largest off_t
 MAX_BLOCKS = 2**31 - 1  # block ids are int32 in the engine's tables
 KERNEL_FILE_SYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))
@@ -172,7 +174,13 @@ class RedisSettings(_Section):
 
     url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
     key_prefix: str = Field("kvdi:", max_length=1024)
-    ttl_s: int | None = Field(None, gt=0, le=MAX_REDIS_TTL_S)
+    ttl_s: int | None = Field(DEFAULT_REDIS_TTL_S, ge=0, le=MAX_REDIS_TTL_S)
+    """Seconds each stored block lives (``SET ... EX``); 0 or null: never expires.
+
+    The default, one day, bounds what a retired model, deployment or demo leaves behind while
+    a hot prefix is recomputed and stored again at most once a day (Redis does not renew a TTL on
+    reads). Pair it with ``maxmemory`` and ``maxmemory-policy volatile-lru`` (docs/sizing.md).
+    """
     connect_timeout_s: float = duration_field(1.0)
     op_timeout_s: float = duration_field(2.0)
     breaker_failures: int = Field(3, gt=0, le=1_000_000)
@@ -250,6 +258,7 @@ class TransferSettings(_Section):
 
 
 __all__ = [
+    "DEFAULT_REDIS_TTL_S",
     "KERNEL_FILE_SYSTEMS",
     "MAX_BLOCKS",
     "MAX_DURATION_S",

@@ -114,7 +114,7 @@ def test_ttl_is_applied_to_every_object(make_store: StoreFactory, raw: redis.Red
 
 
 def test_without_ttl_objects_do_not_expire(make_store: StoreFactory, raw: redis.Redis) -> None:
-    make_store().put_many([(KEYS[0], framed(0))])
+    make_store(ttl_s=0).put_many([(KEYS[0], framed(0))])  # 0: never expires (the default is one day)
     assert raw.ttl(b"kvdi:" + KEYS[0].hex().encode()) == -1
 
 
