@@ -64,3 +64,38 @@ def max_concurrency(log_text: str) -> float:
     if not found:
         raise AssertionError("vLLM logged no maximum concurrency")
     return float(found[-1])
+
+
+def make_tiny_qwen3_next(directory: Path) -> Path:
+    """Write a random 2-layer Qwen3-Next (gated DeltaNet linear attention, then full attention; bf16, MoE)."""
+    if (directory / "config.json").exists():
+        return directory
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM  # type: ignore[import-not-found,unused-ignore]
+
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_key_head_dim=128,  # vLLM's CPU kernels need 128
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        layer_types=["linear_attention", "full_attention"],
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
+    _noisy_norms(model)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory

@@ -20,7 +20,10 @@ The package is split by concept; only :mod:`.connector` and :mod:`.envelopes` im
 - :mod:`.requests`: vLLM requests and scheduler output as kvdi's;
 - :mod:`.block_index`: the scheduler's key-only view of a worker-local store;
 - :mod:`.stats`: per-step counter deltas and the ``kvdi_stats_dir`` files;
-- :mod:`.shared`: one kvdi container per engine id per process.
+- :mod:`.shared`: one kvdi container per engine id per process;
+- :mod:`.halves`: the kvdi half behind a connector (one container's, or one per KV cache group);
+- :mod:`.groups` / :mod:`.hybrid`: vLLM's KV cache groups (sliding window, Mamba) planned,
+  keyed, stored and loaded per group (``SupportsHMA``).
 
 ``KvdiConnector`` is resolved lazily (module ``__getattr__``), so importing this package or
 its vLLM-free modules never imports vLLM; vLLM's ``getattr(module, "KvdiConnector")`` does.

@@ -12,7 +12,9 @@ Per group, as vLLM computes its own prefix-cache hits (``single_type_kv_cache_ma
 - ``sliding`` window needs only the ``cdiv(window - 1, block_size)`` blocks before the hit
   boundary; kvdi stores only the blocks inside the window of the boundaries a prompt can be
   offered at, and loads only those;
-- ``mamba`` (and linear attention) needs one state: the block ending at the boundary.
+- ``mamba`` (and linear attention) needs one state: the block ending at the boundary (vLLM
+  keeps states at block boundaries only with prefix caching on, ``mamba_cache_mode="align"``;
+  other modes are refused).
 
 :func:`best_boundary` is the hit offered to vLLM: the longest prefix every group can serve.
 vLLM's config arrives as attribute bags (typed ``Any``); this module never imports vLLM.
@@ -90,6 +92,12 @@ def groups_from_vllm(kv_cache_config: Any) -> list[GroupSpec]:
             raise ConfigError(
                 f"KvdiConnector cannot store KV cache group {i} of kind {type(spec).__name__}; supported: "
                 f"{', '.join(KINDS)}; run vLLM with --disable-hybrid-kv-cache-manager or without kvdi"
+            )
+        if kind == "mamba" and getattr(spec, "mamba_cache_mode", "none") != "align":
+            raise ConfigError(
+                f"KvdiConnector stores a Mamba / linear-attention state per block boundary, which vLLM keeps only "
+                f"with mamba_cache_mode='align'; KV cache group {i} has "
+                f"{getattr(spec, 'mamba_cache_mode', None)!r}: enable prefix caching (--enable-prefix-caching)"
             )
         groups.append(
             GroupSpec(

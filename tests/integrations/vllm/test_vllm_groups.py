@@ -143,6 +143,21 @@ def test_groups_are_read_from_vllms_config() -> None:
     assert (full.kind, sliding.kind, sliding.window, sliding.layer_names) == ("full", "sliding", 8, ("l.1",))
 
 
+@dataclass
+class MambaSpec:
+    block_size: int = 544
+    page_size_bytes: int = 1024
+    mamba_cache_mode: str = "none"
+
+
+def test_a_mamba_group_without_states_at_block_boundaries_is_refused() -> None:
+    """With prefix caching off vLLM keeps only the running state: nothing kvdi could key by a prefix."""
+    with pytest.raises(ConfigError, match="mamba_cache_mode='align'"):
+        groups_from_vllm(SimpleNamespace(kv_cache_groups=[Group(MambaSpec())]))
+    (group,) = groups_from_vllm(SimpleNamespace(kv_cache_groups=[Group(MambaSpec(mamba_cache_mode="align"))]))
+    assert (group.kind, group.page_bytes, group.block_size) == ("mamba", 1024, 544)
+
+
 def test_an_unknown_group_kind_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError, match="CrossAttentionSpec.*disable-hybrid-kv-cache-manager"):
         groups_from_vllm(SimpleNamespace(kv_cache_groups=[Group(CrossAttentionSpec())]))

@@ -174,3 +174,21 @@ def test_connectors_that_cannot_store_groups_are_refused(tmp_path: Path) -> None
             open_hybrid(container, False, GROUPS, BASE, kwargs, RankSlice(), RequestTracker(), False)
     finally:
         SHARED.release("e4")
+
+
+def test_a_finished_request_is_reported_once_when_every_groups_saves_are_done(
+    tmp_path: Path, engines: list[Engine]
+) -> None:
+    """Asynchronous saves hold the request's blocks in every group; vLLM hears of it once, after the last group."""
+    producer = _store(tmp_path, engines)
+    delay_free, _ = producer.scheduler.request_finished(PROMPT, [])
+    assert delay_free  # transfer.async_save is on by default: vLLM keeps the blocks until finished sending
+    reports = []
+    for _ in range(200):
+        sending, _ = producer.worker.get_finished({"r"} if not reports else set())
+        reports.append(sending)
+        if any(reports):
+            break
+        time.sleep(0.01)
+    reports += [producer.worker.get_finished(set())[0] for _ in range(3)]
+    assert [r for r in reports if r] == [{"r"}]

@@ -11,7 +11,20 @@ import pytest
 import kvdi.integrations.vllm as package
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_FREE = ("async_loads", "block_index", "bridge", "config", "layout", "parallel", "requests", "shared", "stats")
+VLLM_FREE = (
+    "async_loads",
+    "block_index",
+    "bridge",
+    "config",
+    "groups",
+    "halves",
+    "hybrid",
+    "layout",
+    "parallel",
+    "requests",
+    "shared",
+    "stats",
+)
 
 
 def test_vllm_free_modules_do_not_import_vllm() -> None:

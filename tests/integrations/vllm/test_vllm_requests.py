@@ -89,3 +89,18 @@ def test_tracker_reuses_the_block_tuple_of_a_request_that_got_no_new_blocks() ->
     decode = tracker.translate(_output([], _cached(["a"], [None], [40]), {"a": 1}))
     assert decode.scheduled[0].block_ids is first.scheduled[0].block_ids
     assert decode.scheduled[0].request is first.scheduled[0].request
+
+
+def test_tracker_keeps_every_kv_cache_groups_block_list() -> None:
+    """With vLLM's hybrid manager each group has its own block ids; new blocks of any group are appended to it."""
+    tracker = RequestTracker()
+    new = SimpleNamespace(
+        req_id="a", prompt_token_ids=list(range(70)), block_ids=([4, 5], [7, 8]), num_computed_tokens=0
+    )
+    tracker.translate(_output([new], _cached([], [], []), {"a": 64}))
+    tracker.translate(_output([], _cached(["a"], [([], [9])], [64]), {"a": 6}))  # only the second group grew
+    assert tracker.groups["a"] == [[4, 5], [7, 8, 9]] and tracker.blocks["a"] == [4, 5]
+    tracker.translate(_output([], _cached(["a"], [([1], [2])], [0], {"a"}), {"a": 70}))  # resumed after preemption
+    assert tracker.groups["a"] == [[1], [2]]
+    tracker.translate(_output([], _cached([], [], []), {}, {"a"}))
+    assert "a" not in tracker.groups
