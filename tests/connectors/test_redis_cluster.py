@@ -323,7 +323,7 @@ def test_kvdi_demo_on_a_cluster_is_identical_and_stores_keys_on_every_master(
     env.update(KVDI_KV_CONNECTOR="redis", KVDI_REDIS__CLUSTER="1", KVDI_REDIS__URL=shared_cluster.url)
     env.update(KVDI_REDIS__KEY_PREFIX="demo:", PYTHONPATH=os.getcwd())
     done = subprocess.run(
-        [sys.executable, "-m", "kvdi.cli", "demo", "--json", "--prompts", "3", "--prompt-len", "96"],
+        [sys.executable, "-m", "kvdi.cli", "demo", "--json", "--keep", "--prompts", "3", "--prompt-len", "96"],
         capture_output=True,
         text=True,
         env=env,
