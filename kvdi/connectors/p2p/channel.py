@@ -43,6 +43,7 @@ import torch.distributed as dist
 from kvdi.connectors.p2p import handshake as hs
 from kvdi.connectors.p2p.errors import P2pHandshakeError, P2pTransferError
 from kvdi.connectors.p2p.held import Frames, HeldBlocks
+from kvdi.connectors.p2p.lookup import PAIRED_KEY, count_published
 from kvdi.connectors.p2p.pairing import ProducerPairing, consumer_pair
 from kvdi.connectors.p2p.protocol import (
     CONSUMER_RANK,
@@ -173,10 +174,13 @@ class P2pChannel:
         mine = hs.make_hello(rank=self.rank, backend=self.backend, layout=self.layout, engine_id=engine_id, auth=auth)
         o = self.options
         if not self.producer:
-            return consumer_pair(
+            paired = consumer_pair(
                 self._store, self.where, mine, self.layout, self.backend, self._token,
                 connect_timeout_s=o.connect_timeout_s, call=self._setup,
             )  # fmt: skip
+            # for a scheduler half in another process (kvdi.connectors.p2p.lookup): the hello is public anyway
+            self._setup("announcing the pairing", lambda: self._store.set(PAIRED_KEY, hs.json_text(mine)))
+            return paired
         self._pairing = ProducerPairing(
             self._store, self.where, self.layout, self.backend, self._token,
             connect_timeout_s=o.connect_timeout_s, timeout_s=o.timeout_s, call=self._watchdog.call,
@@ -233,23 +237,8 @@ class P2pChannel:
         """How many of ``keys``, from the first, the producer holds; 0 once broken."""
         if self._broken is not None or not keys:
             return 0
-        names = [self.session.published(self.session.name(k)) for k in keys]
-        store = self._store
-
-        def search() -> int:
-            if store.check(names):
-                return len(names)
-            lo, hi = 0, len(names) - 1  # the first lo are published; the answer is <= hi
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if store.check(names[:mid]):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            return lo
-
         try:
-            return self._watchdog.call(search, self.options.timeout_s)
+            return count_published(self._store, self.session, keys, self._watchdog.call, self.options.timeout_s)
         except (RuntimeError, TimeoutError) as exc:
             self._break(f"lookup failed: {str(exc).splitlines()[0]}")
             return 0

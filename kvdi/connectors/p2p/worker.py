@@ -124,6 +124,8 @@ class P2pWorkerConnector(WorkerConnector):
         """Fetch ``transfers`` in one batch; the block ids not loaded (each transfer from its first bad block)."""
         keys = [k for t in transfers for k in t.block_keys]
         ids = [b for t in transfers for b in t.block_ids]
+        if not keys:  # a layout bridge's marker: the blocks were loaded synchronously, only the report is left
+            return []
         try:
             good = self._fetch(receiver, keys, ids, stats)
         except P2pTransferError as exc:

@@ -50,13 +50,12 @@ except ImportError as exc:  # only vLLM loads this module; say what to install i
 
 from kvdi.connectors.base import BlockTransferMetadata, SchedulerConnector, WorkerConnector
 from kvdi.connectors.store import StoreSchedulerConnector
-from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.containers import KVTransferContainer
 from kvdi.errors import ConfigError, KvdiError, KVLoadError
 from kvdi.integrations.vllm.async_loads import SchedulerLoads, WorkerLoads
 from kvdi.integrations.vllm.block_index import BlockIndex, store_capacity_blocks
 from kvdi.integrations.vllm.bridge import LayoutBridge
-from kvdi.integrations.vllm.config import STATS_DIR_KEY, kvdi_settings_kwargs, needs_block_index
+from kvdi.integrations.vllm.config import STATS_DIR_KEY, kvdi_settings_kwargs, needs_block_index, worker_elsewhere
 from kvdi.integrations.vllm.envelopes import KvdiConnectorMetadata, KvdiConnectorStats, KvdiWorkerMetadata
 from kvdi.integrations.vllm.layout import kvdi_layer_view, layout_from_vllm, ordered_layers, rank_slice
 from kvdi.integrations.vllm.parallel import AllRanksStore, KeyLookup
@@ -111,6 +110,12 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 elif self._shape.sliced:
                     backend = cast(KeyLookup, container.backend())
                     container.backend.override(providers.Object(AllRanksStore(backend, self._shape)))
+                elif (only := container.connector().spec.scheduler_backend) and worker_elsewhere(vllm_config):
+                    # p2p: the worker process pairs; this process must not bind the rendezvous store too
+                    factory = providers.Resource(
+                        import_target(only), container.options, container.layout, container.settings
+                    )
+                    container.backend.override(factory)
                 self._scheduler = self.half = cast(SchedulerConnector, container.scheduler_connector())
             else:
                 self._worker = self.half = cast(WorkerConnector, container.worker_connector())
@@ -252,9 +257,8 @@ class KvdiConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         if isinstance(inner, BlockTransferMetadata):
             self._step_meta = inner
             self._saves_due = bool(inner.saves)
-            if isinstance(inner, StoreTransferMetadata):
-                for t in inner.async_loads:
-                    self._async.started(t.request_id, t.block_ids, t.block_keys)
+            for t in getattr(inner, "async_loads", ()):  # store and p2p metadata: loads that end in a later step
+                self._async.started(t.request_id, t.block_ids, t.block_keys)
             # Async loads start here and finish in a later step's start_load_kv: call it until reported.
             self._loads_due = bool(inner.loads) or bool(self._async.loading)
         else:  # a connector with its own metadata (p2p): let it see every hook
