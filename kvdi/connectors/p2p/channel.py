@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from kvdi.connectors.p2p import handshake as hs
 from kvdi.connectors.p2p.errors import P2pHandshakeError, P2pTransferError
+from kvdi.connectors.p2p.groups import drain, make_group, wait_work
 from kvdi.connectors.p2p.held import Frames, HeldBlocks
 from kvdi.connectors.p2p.lookup import PAIRED_KEY, count_published
 from kvdi.connectors.p2p.pairing import ProducerPairing, consumer_pair
@@ -195,15 +196,11 @@ class P2pChannel:
 
     def _make_group(self) -> Any:
         store = dist.PrefixStore(PREFIX + "pg", self._store)  # type: ignore[attr-defined]
-        if self.backend == "nccl":
-            torch.cuda.set_device(self.device)
-            nccl_options = dist.ProcessGroupNCCL.Options()
-            nccl_options._timeout = self._timeout
-            return dist.ProcessGroupNCCL(store, self.rank, 2, nccl_options)
-        gloo_options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        gloo_options._timeout = self._timeout  # also bounds every send and receive
-        gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.options.kv_ip)]
-        return dist.ProcessGroupGloo(store, self.rank, 2, gloo_options)
+        deadline = time.monotonic() + self.options.connect_timeout_s
+        return make_group(
+            self.backend, store, self.rank, timeout=self._timeout, device=self.device, host=self.options.kv_ip,
+            deadline=deadline,
+        )  # fmt: skip
 
     # -- state --------------------------------------------------------------------
     @property
@@ -303,13 +300,11 @@ class P2pChannel:
         except (RuntimeError, TimeoutError) as exc:
             reason = f"fetch {seq} of {n} blocks failed: {str(exc).splitlines()[0]}"
             self._break(reason)
+            drain(self._pg)  # receives still posted must not land late in blocks the engine recomputes
             raise P2pTransferError(reason) from None
 
     def _wait(self, work: Any, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no answer within KVDI_P2P__TIMEOUT_S={self.options.timeout_s}")
-        work.wait(timedelta(seconds=left))
+        wait_work(work, deadline, self.backend)
 
     # -- producer -----------------------------------------------------------------
     def hold(self, keys: Sequence[bytes], frames: Frames) -> int:
