@@ -71,8 +71,11 @@ class ServingChannel(P2pChannel):
         pass
 
 
-def consumer(source: list[torch.Tensor]) -> tuple[P2pWorkerConnector, list[torch.Tensor], RecordingCuda]:
-    settings = load_settings(kv_connector="p2p", kv_role="kv_consumer", p2p={"kv_rank": 1})
+def consumer(
+    source: list[torch.Tensor], max_staging_bytes: int = 1 << 20
+) -> tuple[P2pWorkerConnector, list[torch.Tensor], RecordingCuda]:
+    allocator = {"device": "cpu", "max_staging_bytes": max_staging_bytes}
+    settings = load_settings(kv_connector="p2p", kv_role="kv_consumer", p2p={"kv_rank": 1}, allocator=allocator)
     context = ConnectorContext("p2p", KVConnectorRole.WORKER, settings, LAYOUT, settings.p2p, ServingChannel(source))
     worker = P2pWorkerConnector(context)
     cuda = RecordingCuda()

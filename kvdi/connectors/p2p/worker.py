@@ -66,6 +66,7 @@ class P2pWorkerConnector(WorkerConnector):
         self._logged: set[str] = set()
         self._order: StreamOrder | None = None  # a CUDA cache: copies ordered against the engine's stream
         self._staged: object = None  # event after the last fetch's copies out of staging
+        self._blocks_per_fetch = max(1, context.settings.allocator.max_staging_bytes // self.layout.block_bytes)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         from kvdi.connectors.p2p.frames import CacheReceiver
@@ -144,12 +145,15 @@ class P2pWorkerConnector(WorkerConnector):
         ids = [b for t in transfers for b in t.block_ids]
         if not keys:  # a layout bridge's marker: the blocks were loaded synchronously, only the report is left
             return []
+        good: list[bool] = []
+        step = self._blocks_per_fetch
         try:
-            good = self._fetch(receiver, keys, ids, stats)
+            for a in range(0, len(keys), step):  # a fetch's staging stays under allocator.max_staging_bytes
+                good += self._fetch(receiver, keys[a : a + step], ids[a : a + step], stats)
         except P2pTransferError as exc:
             stats.load_failures += 1
             log_once(logger, self._logged, "fetch", "kv connector %r: p2p load failed, recomputing: %s", self.name, exc)
-            good = [False] * len(keys)
+        good += [False] * (len(keys) - len(good))
         failed: list[int] = []
         i = 0
         for t in transfers:  # a load is usable up to its first bad block; the rest is recomputed
