@@ -63,9 +63,17 @@ def pair_kv(role: str, port: int, stats_dir: Path) -> dict[str, Any]:
 
 
 def run_pair(
-    work: Path, base: dict[str, Any], phases: list[list[list[int]]], env: dict[str, str], *, doomed: bool = False
+    work: Path,
+    base: dict[str, Any],
+    phases: list[list[list[int]]],
+    env: dict[str, str],
+    *,
+    doomed: bool = False,
+    consumer_kvdi: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run a producer and a consumer engine (two processes, paired on a free loopback port); their results."""
+    """Run a producer and a consumer engine (two processes, paired on a free loopback port); their results.
+
+    ``consumer_kvdi``: more ``kvdi.*`` extra config for the consumer (e.g. ``{"transfer.async_load": "off"}``)."""
     work.mkdir(parents=True, exist_ok=True)
     port, token = free_port(), secrets.token_urlsafe(24)
     signals = work / "signals"
@@ -75,13 +83,16 @@ def run_pair(
     child_env["KVDI_P2P__AUTH_TOKEN"] = token
     try:
         for side, role in (("producer", "kv_producer"), ("consumer", "kv_consumer")):
+            kv = pair_kv(role, port, work / f"stats-{side}")
+            if side == "consumer":
+                kv["kv_connector_extra_config"].update({f"kvdi.{k}": v for k, v in (consumer_kvdi or {}).items()})
             spec = {
                 **base,
                 "role": side,
                 "phases": phases,
                 "signals": str(signals),
                 "doomed": doomed,
-                "kv": pair_kv(role, port, work / f"stats-{side}"),
+                "kv": kv,
                 "out": str(work / f"{side}.out.json"),
             }
             spec_path = work / f"{side}.spec.json"

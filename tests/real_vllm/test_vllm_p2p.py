@@ -5,9 +5,9 @@ decodes the prompts (its tokens are a plain engine's) and holds their blocks; th
 loads them (asynchronously: ``transfer.async_load=auto`` parks each request in
 ``WAITING_FOR_REMOTE_KVS``) and must produce the tokens of no connector from loaded blocks.
 Both engine-core layouts: in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: both connector roles
-share one channel) and vLLM's default multiprocess core (the scheduler role in the engine-core
-process, the worker role in a worker process: only the worker pairs, the scheduler looks blocks
-up through its own store client). In the in-process pair the producer then dies (SIGKILL) while
+share one channel; asynchronous loads) and vLLM's default multiprocess core (the scheduler role in
+the engine-core process, the worker role in a worker process: only the worker pairs, the scheduler
+looks blocks up through its own store client; synchronous loads, ``transfer.async_load=off``). In the in-process pair the producer then dies (SIGKILL) while
 the consumer's next fetch waits for its answer: the consumer recomputes within the timeout.
 """
 
@@ -57,7 +57,7 @@ def multiprocess_pair(
     tmp_path_factory: pytest.TempPathFactory, base_spec: dict[str, Any], prompts: list[list[int]]
 ) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("p2p-multiprocess")
-    return run_pair(work, base_spec, [prompts], MULTIPROCESS)
+    return run_pair(work, base_spec, [prompts], MULTIPROCESS, consumer_kvdi={"transfer.async_load": "off"})
 
 
 def consumer_stats(pair: dict[str, Any]) -> dict[str, float]:
@@ -94,11 +94,12 @@ def test_a_producer_killed_mid_fetch_costs_a_recompute_within_the_timeout_never_
 def test_multiprocess_engine_core_pairs_in_the_worker_and_loads_every_block(
     multiprocess_pair: dict[str, Any], prompts: list[list[int]], baseline_tokens: list[list[int]]
 ) -> None:
-    """vLLM's default layout: the connector is built in two processes per engine, only the worker pairs."""
+    """vLLM's default layout: the connector is built in two processes per engine, only the worker pairs.
+    This consumer loads synchronously (``transfer.async_load=off``): before the forward pass of the step."""
     assert multiprocess_pair["producer"]["result"]["phases"][0]["tokens"] == baseline_tokens
     assert multiprocess_pair["consumer"]["result"]["phases"][0]["tokens"] == baseline_tokens
     # the producer holds what a consumer may load: every full block before the last prompt token
     assert read_stats(multiprocess_pair["stats"]["producer"], "worker")["saved_blocks"] == expected_blocks(prompts)
     stats = consumer_stats(multiprocess_pair)
     assert stats["loaded_blocks"] == expected_blocks(prompts)
-    assert stats["load_failures"] == 0
+    assert stats["load_failures"] == 0 and stats["finished_recving"] == 0  # nothing went the asynchronous way
