@@ -85,7 +85,10 @@ def wait_work(work: Any, deadline: float, backend: str, what: str = "an answer")
         if time.monotonic() >= deadline:
             raise TimeoutError(f"no {what} within KVDI_P2P__TIMEOUT_S")
         time.sleep(POLL_S)
-    exc = work.exception() if hasattr(work, "exception") else None
+    try:
+        exc = work.exception()
+    except Exception as raised:  # the binding may raise the stored error instead of returning it
+        exc = raised
     if exc is not None:
         raise RuntimeError(f"the process group failed: {exc}")
     work.wait()  # the current stream now follows the operation (no host wait: it completed)
