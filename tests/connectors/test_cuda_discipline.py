@@ -9,6 +9,7 @@ paths on a real GPU (under a busy compute stream) are in ``tests/test_cuda.py``.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,3 +92,38 @@ def test_a_cpu_cache_orders_nothing() -> None:
     assert io.direct and io.order is None and io.fence() is None
     with io.on_side_stream(None):
         io.finish()
+
+
+def test_the_store_worker_fences_an_async_load_at_hand_over_and_runs_it_on_the_side_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the real store worker and shared_storage files: the fence is recorded by start_load_kv on
+    the engine thread, the job's stream waits on it before loading, and the bytes arrive."""
+    import kvdi.connectors.store.blockio as blockio
+    from kvdi.connectors.base import BlockTransfer, ConnectorContext, KVConnectorRole
+    from kvdi.connectors.shared_storage import FileBlockStore
+    from kvdi.connectors.store import StoreWorkerConnector
+    from kvdi.connectors.store.scheduler import StoreTransferMetadata
+    from kvdi.layout import KVCacheSpec
+    from kvdi.settings import load_settings
+
+    cuda = RecordingCuda()
+    monkeypatch.setattr(blockio, "order_for", lambda device: StreamOrder("cuda:0", cuda))  # the cache "is on CUDA"
+    layout = KVCacheSpec("m", LAYERS, 2, 8, 4, "float32")
+    settings = load_settings(kv_role="kv_both", transfer={"async_save": False})
+    worker = StoreWorkerConnector(
+        ConnectorContext("shared_storage", KVConnectorRole.WORKER, settings, layout, None, FileBlockStore(tmp_path))
+    )
+    caches = {n: torch.randn((BLOCKS, *layout.block_shape)) for n in layout.layer_names}
+    worker.register_kv_caches(caches)
+    saved = {n: c[1].clone() for n, c in caches.items()}
+    worker.bind_connector_metadata(StoreTransferMetadata(saves=(BlockTransfer("w", (1,), (b"k" * 16,)),)))
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    del cuda.log[:]
+    worker.bind_connector_metadata(StoreTransferMetadata(async_loads=(BlockTransfer("r", (6,), (b"k" * 16,)),)))
+    worker.start_load_kv()
+    worker.flush()
+    assert cuda.log[:2] == [("record", cuda.log[0][1], "compute"), ("wait_event", "side1", cuda.log[0][1])]
+    assert all(torch.equal(caches[n][6], saved[n]) for n in caches)
+    worker.shutdown()
