@@ -233,3 +233,83 @@ def test_the_nccl_group_cleans_up_only_on_errors_and_connects_at_pairing(monkeyp
     assert isinstance(group, FakeNccl)
     assert seen["handling"] == groups.CLEAN_UP_ONLY and os.environ[groups.NCCL_ERROR_HANDLING] == "3"
     assert seen["timeout"] == timedelta(seconds=7) and seen["warm_up"] == (1, groups.WARM_UP_TAG)
+
+
+# -- late data, over real processes (gloo on loopback, the consumer receives straight into its cache) ----------
+def late_consumer(port: int, out: Any, events: dict[str, Any]) -> None:
+    """Fail a fetch from a frozen producer, then keep watching the target blocks while it resumes and answers."""
+    from kvdi.connectors.base import KVRequest
+    from kvdi.containers import build_kv_container
+    from tests.connectors import test_p2p as pair
+
+    try:
+        container = build_kv_container(pair.p2p_settings("kv_consumer", port))
+        sched, worker = pair.halves(container)
+        caches = pair.random_caches(container.layout(), seed=2)
+        worker.register_kv_caches(caches)
+        events["published"].wait(pair.WAIT_S)
+        matched, _ = sched.get_num_new_matched_tokens(pair.PROMPT, 0)
+        events["looked_up"].set()
+        events["go"].wait(pair.WAIT_S)
+        before = {n: c[list(pair.CONSUMER_BLOCKS)].clone() for n, c in caches.items()}
+        sched.update_state_after_alloc(pair.PROMPT, pair.CONSUMER_BLOCKS, matched)
+        step = pair.one_step(pair.PROMPT, pair.CONSUMER_BLOCKS, matched)
+        worker.bind_connector_metadata(sched.build_connector_meta(step))
+        worker.start_load_kv()
+        out.put(("failed", sorted(worker.get_block_ids_with_load_errors())))
+        worker.clear_connector_metadata()
+        events["resumed"].wait(pair.WAIT_S)
+        time.sleep(2.0)  # the resumed producer answers the fetch now
+        unchanged = all(torch.equal(caches[n][list(pair.CONSUMER_BLOCKS)], before[n]) for n in caches)
+        again = sched.get_num_new_matched_tokens(KVRequest("req-2", pair.PROMPT.prompt_token_ids), 0)[0]
+        out.put(("late", {"unchanged": unchanged, "again": again}))
+        events["consumer_done"].set()
+        container.shutdown_resources()
+    except Exception as exc:
+        out.put(("consumer_error", f"{type(exc).__name__}: {exc}"))
+
+
+def test_a_fetch_that_timed_out_never_lands_late_in_the_cache(kvdi_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The producer freezes (SIGSTOP) before answering, the fetch fails within the timeout, then the producer
+    resumes and sends its answer: nothing of it reaches the blocks the engine now recomputes."""
+    import multiprocessing as mp
+    import signal
+    from queue import Empty
+
+    from tests.connectors import test_p2p as pair
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    ctx = mp.get_context("spawn")
+    port, out = pair.free_port(), ctx.Queue()
+    events = {k: ctx.Event() for k in ("published", "looked_up", "go", "consumer_done", "resumed")}
+    producer = ctx.Process(target=pair.producer, args=(port, out, events, 4, 60.0), daemon=True)
+    consumer_proc = ctx.Process(target=late_consumer, args=(port, out, events), daemon=True)
+    producer.start()
+    consumer_proc.start()
+    reports: dict[str, Any] = {}
+
+    def report(key: str) -> Any:
+        deadline = time.monotonic() + pair.WAIT_S
+        while key not in reports:
+            try:
+                k, v = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Empty:
+                pytest.fail(f"no {key!r} report (got {sorted(reports)})")
+            assert not k.endswith("_error"), f"{k}: {v}"
+            reports[k] = v
+        return reports[key]
+
+    try:
+        assert events["looked_up"].wait(pair.WAIT_S)
+        os.kill(producer.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        events["go"].set()
+        assert report("failed") == list(pair.CONSUMER_BLOCKS[: pair.LOADED])
+        os.kill(producer.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        events["resumed"].set()
+        assert report("late") == {"unchanged": True, "again": 0}
+    finally:
+        for proc in (consumer_proc, producer):
+            proc.join(pair.WAIT_S if proc.is_alive() else 0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
