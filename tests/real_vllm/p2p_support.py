@@ -106,15 +106,22 @@ def run_pair(
                     env=child_env,
                 )
             procs[side] = (proc, log, Path(spec["out"]))
+        deadline = time.monotonic() + WAIT_S + 120
+        while any(proc.poll() is None for proc, _log, _out in procs.values()):
+            for side, (proc, log, _out) in procs.items():  # one side failing ends the pair at once
+                rc = proc.poll()
+                if rc not in (None, 0) and not (side == "producer" and doomed and rc == -signal.SIGKILL):
+                    raise RuntimeError(
+                        f"{side} failed (rc={rc}); log {log}:\n{log.read_text(errors='replace')[-6000:]}"
+                    )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the pair did not finish within {WAIT_S + 120:.0f}s; logs in {work}")
+            time.sleep(0.5)
         results: dict[str, Any] = {}
         for side, (proc, log, out) in procs.items():
-            rc = proc.wait(timeout=WAIT_S + 120)
-            if side == "producer" and doomed:
-                results[side] = {"returncode": rc, "result": json.loads(out.read_text()) if out.exists() else None}
-                continue
-            if rc != 0 or not out.exists():
-                raise RuntimeError(f"{side} failed (rc={rc}); log {log}:\n{log.read_text(errors='replace')[-6000:]}")
-            results[side] = {"returncode": rc, "result": json.loads(out.read_text())}
+            if not out.exists():
+                raise RuntimeError(f"{side} wrote no result; log {log}:\n{log.read_text(errors='replace')[-6000:]}")
+            results[side] = {"returncode": proc.returncode, "result": json.loads(out.read_text())}
         results["stats"] = {side: work / f"stats-{side}" for side in procs}
         return results
     finally:
