@@ -13,8 +13,10 @@ copy of kvdi follows (:class:`StreamOrder`):
   stream that waits on that fence only (:meth:`StreamOrder.side`), so a block's old owner's queued
   writes land first while later forward passes are not waited for; the host waits on the copies'
   event before the job reports the request, so the step that resumes it reads complete bytes.
-- A device tensor allocated on one stream and used on another is handed to ``record_stream``
-  (:meth:`StreamOrder.used_on`) so the caching allocator does not reuse it early.
+- A CUDA tensor kvdi allocates (p2p's index and staging tensors) is allocated and used on the same
+  stream, the current one of the thread that copies; a tensor used on another stream must be
+  handed to :meth:`StreamOrder.used_on` (``record_stream``) so the caching allocator does not
+  reuse its memory early. ``ProcessGroupNCCL`` records the streams of the tensors it moves itself.
 
 Every call into CUDA goes through :class:`CudaCalls`; :class:`TorchCuda` is the real one and
 :class:`kvdi.testing.cuda_recording.RecordingCuda` records the calls where CUDA is absent.
