@@ -38,7 +38,10 @@ class AllocationPlan:
 
     ``staging_bytes`` is the host staging planned for device<->host copies (0 for a CPU
     cache, whose blocks are read and written in place); ``staging_pinned`` says whether it
-    is page-locked.
+    is page-locked. It lives in host memory and is never counted against the device.
+    ``device_staging_bytes`` is the device memory kvdi may take outside the KV cache on a CUDA
+    cache (a p2p NCCL fetch's landing zone, at most ``allocator.max_staging_bytes``); it is
+    counted against the device's free memory.
     """
 
     device: str
@@ -49,13 +52,15 @@ class AllocationPlan:
     budget_bytes: int
     budget_source: str
     staging_pinned: bool = False
+    device_staging_bytes: int = 0
 
     def describe(self) -> str:
         gib = self.total_bytes / 2**30
         kind = "pinned" if self.staging_pinned else "pageable"
+        device = f", device staging up to {self.device_staging_bytes} B" if self.device_staging_bytes else ""
         return (
             f"{self.num_blocks} blocks x {self.block_bytes} B = {gib:.3f} GiB on {self.device} "
-            f"(budget {self.budget_source}); staging {self.staging_bytes} B {kind}"
+            f"(budget {self.budget_source}); host staging {self.staging_bytes} B {kind}{device}"
         )
 
 
@@ -87,18 +92,21 @@ def plan_allocation(
             f"({source}); raise KVDI_ALLOCATOR__MEMORY_FRACTION or set KVDI_ALLOCATOR__NUM_BLOCKS"
         )
     on_cuda = device.startswith("cuda")
-    staging = STAGING_BLOCKS * per_block if on_cuda else 0
-    needed = num_blocks * per_block + staging
+    staging = STAGING_BLOCKS * per_block if on_cuda else 0  # host memory: not the device's
+    device_staging = s.max_staging_bytes if on_cuda else 0
+    needed = num_blocks * per_block + device_staging
     if free_bytes is not None and needed > free_bytes:
         knob = "NUM_BLOCKS" if s.num_blocks is not None else "MEMORY_FRACTION"
-        fix = f"lower KVDI_ALLOCATOR__{knob}"
+        fix = f"lower KVDI_ALLOCATOR__{knob}" + (" or KVDI_ALLOCATOR__MAX_STAGING_BYTES" if device_staging else "")
         raise AllocationError(
-            f"the KV cache plan needs {needed} B ({num_blocks} blocks x {per_block} B, {source}) but only "
+            f"the KV cache plan needs {needed} B ({num_blocks} blocks x {per_block} B, {source}"
+            f"{f', device staging {device_staging} B' if device_staging else ''}) but only "
             f"{free_bytes} B are free on {device}; {fix}"
         )
     return AllocationPlan(
-        device, num_blocks, per_block, num_blocks * per_block, staging, budget, source, on_cuda and s.pin_memory
-    )
+        device, num_blocks, per_block, num_blocks * per_block, staging, budget, source, on_cuda and s.pin_memory,
+        device_staging,
+    )  # fmt: skip
 
 
 class Staging(Protocol):

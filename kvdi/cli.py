@@ -115,6 +115,7 @@ def describe(container_overrides: Mapping[str, Any] | None = None) -> dict[str, 
             "block_bytes": plan.block_bytes,
             "total_bytes": plan.total_bytes,
             "staging_bytes": plan.staging_bytes,
+            "device_staging_bytes": plan.device_staging_bytes,
             "budget": plan.budget_source,
             "allocated": False,
         },
@@ -138,7 +139,8 @@ def cmd_info(args: argparse.Namespace, _rest: list[str]) -> int:
     plan = info["allocation_plan"]
     print(
         f"allocation plan (not allocated): {plan['num_blocks']} blocks x {plan['block_bytes']} B = "
-        f"{plan['total_bytes'] / 2**20:.1f} MiB on {plan['device']}; staging {plan['staging_bytes']} B; "
+        f"{plan['total_bytes'] / 2**20:.1f} MiB on {plan['device']}; host staging {plan['staging_bytes']} B, "
+        f"device staging {plan['device_staging_bytes']} B; "
         f"budget {plan['budget']}"
     )
     return 0
@@ -201,7 +203,8 @@ def cmd_check(args: argparse.Namespace, _rest: list[str]) -> int:
     plan = container.alloc.plan()
     summary = _probe_backend(container, resolved.spec.name)
     print(
-        f"ok: connector {resolved.spec.name} ({resolved.origin}), {plan.num_blocks} KV blocks on {plan.device}; "
+        f"ok: connector {resolved.spec.name} ({resolved.origin}), {plan.num_blocks} KV blocks on {plan.device} "
+        f"(host staging {plan.staging_bytes} B, device staging {plan.device_staging_bytes} B); "
         f"backend: {_one_line(summary)}"
     )
     return 0

@@ -47,6 +47,9 @@ class ConnectorSpec:
     ``tiers`` names the field of the connector's options that lists other registered store
     connectors this one is built from (``multi``'s ``tiers``): the container resolves each
     through its registry before building anything and hands the backend factory ``tiers=``.
+    ``scheduler_backend`` optionally names a factory with ``backend``'s signature (a plain or
+    generator function) for a scheduler half whose worker half runs in another process (the
+    vLLM adapter under a multiprocess executor); None: the usual ``backend``.
     """
 
     name: str
@@ -58,6 +61,7 @@ class ConnectorSpec:
     description: str = ""
     process_local: bool = False  # blocks live in the worker process's memory (the vLLM adapter indexes them)
     tiers: str | None = None
+    scheduler_backend: str | None = None
     install: str = ""
 
     @property
@@ -179,6 +183,7 @@ BUILTIN_SPECS: tuple[ConnectorSpec, ...] = (
         f"{_C}.p2p.worker:P2pWorkerConnector",
         backend=f"{_C}.p2p.backend:open_channel",
         settings="p2p",
+        scheduler_backend=f"{_C}.p2p.lookup:open_lookups",  # only the worker process pairs
         description="producer to consumer over torch.distributed",
     ),
 )

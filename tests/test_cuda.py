@@ -88,23 +88,28 @@ def test_cacheio_round_trips_a_cuda_cache_through_the_allocators_pinned_staging(
         assert not dst_caches[name][[1, 2, 3, 4]].any()
 
 
-def test_the_cpu_offload_pool_is_pinned_host_memory(kvdi_env: Path) -> None:
+def test_the_cpu_offload_pool_is_pageable_host_memory(kvdi_env: Path) -> None:
+    """No device copy reads the pool (a CUDA cache's blocks go through the worker's pinned staging)."""
     c = build_kv_container(kv_connector="cpu_offload", model=MODEL, cpu_offload={"max_bytes": 1 << 22})
     try:
         store = c.backend()
         store.put_many([(b"k" * 16, [b"x" * 100])])
         assert bytes(store.get_many([b"k" * 16])[0]) == b"x" * 100
         pool = store._slots()  # the pool's one buffer (numpy view of the torch tensor owning it)
-        assert torch.from_numpy(pool).is_pinned()
+        assert not torch.from_numpy(pool).is_pinned()
     finally:
         c.shutdown_resources()
 
 
-def test_store_halves_stage_a_cuda_cache_through_shared_storage(kvdi_env: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_load", ["off", "on"])
+def test_store_halves_stage_a_cuda_cache_through_shared_storage(
+    kvdi_env: Path, tmp_path: Path, async_load: str
+) -> None:
     common: dict[str, Any] = {
         "allocator": {"device": "cuda", "num_blocks": 64, "block_size": 4},
         "model": MODEL,
         "shared_storage": {"path": str(tmp_path / "kv")},
+        "transfer": {"async_load": async_load},
     }
     prompts = [list(range(3, 40))]
     containers = [
@@ -121,10 +126,131 @@ def test_store_halves_stage_a_cuda_cache_through_shared_storage(kvdi_env: Path, 
     assert (outputs[1].num_loaded_tokens, outputs[2].num_loaded_tokens) == (0, 36)
 
 
-# -- NCCL p2p between two GPUs (one process per GPU) ------------------------------------------
+# -- stream discipline (issue 22): compute on a non-default current stream, as vLLM does ------------------
+SLEEP_CYCLES = 200_000_000  # torch.cuda._sleep: keeps a stream busy for a good fraction of a second
+
+
+def _io(num_blocks: int = 8) -> tuple[CacheIO, list[torch.Tensor], GpuBufferAllocator]:
+    alloc = GpuBufferAllocator(SPEC, AllocatorSettings(device="cuda", num_blocks=num_blocks))
+    caches = list(alloc.allocate().values())
+    return CacheIO(caches, SPEC.layer_block_bytes, chunk=2, buffers=alloc.staging), caches, alloc
+
+
+def _load_bytes(io: CacheIO, block: int, value: int) -> None:
+    for piece in io.load_pieces(0, block):
+        piece.cast("B")[:] = bytes([value]) * piece.nbytes
+    io.commit_load(0, block)
+
+
+def _block_bytes(caches: list[torch.Tensor], block: int) -> set[int]:
+    return {int(v) for c in caches for v in c[block].view(torch.uint8).unique().tolist()}
+
+
+def test_a_sync_save_reads_what_compute_just_wrote_on_the_engine_stream() -> None:
+    io, caches, alloc = _io()
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the write below is queued behind this
+        for c in caches:
+            c[3].view(torch.uint8).fill_(77)
+        (pieces,) = io.save_pieces([3])  # the engine thread, right after the forward was queued
+    assert {b for p in pieces for b in bytes(p)} == {77}
+    alloc.free()
+
+
+def test_an_async_load_lands_after_the_compute_queued_before_it_was_handed_over() -> None:
+    """A reused block: its old owner's write is still queued on the compute stream when the load starts."""
+    import threading
+
+    io, caches, alloc = _io()
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for c in caches:
+            c[5].view(torch.uint8).fill_(11)  # the old owner's queued write
+        fence = io.fence()  # start_load_kv, on the engine thread
+
+    def job() -> None:
+        with io.on_side_stream(fence):
+            _load_bytes(io, 5, 99)
+            io.finish()
+
+    worker = threading.Thread(target=job)
+    worker.start()
+    worker.join()
+    torch.cuda.synchronize()
+    assert _block_bytes(caches, 5) == {99}
+    alloc.free()
+
+
+def test_an_async_load_does_not_wait_for_the_forward_queued_after_it() -> None:
+    import threading
+
+    io, caches, alloc = _io()
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        fence = io.fence()
+        torch.cuda._sleep(10 * SLEEP_CYCLES)  # the next forward pass, queued after the hand-over
+    finished_while_computing: list[bool] = []
+
+    def job() -> None:
+        with io.on_side_stream(fence):
+            _load_bytes(io, 2, 42)
+            io.finish()
+        finished_while_computing.append(not compute.query())
+
+    worker = threading.Thread(target=job)
+    worker.start()
+    worker.join()
+    assert finished_while_computing == [True]
+    compute.synchronize()
+    assert _block_bytes(caches, 2) == {42}
+    alloc.free()
+
+
+def test_an_async_save_keeps_its_bytes_when_compute_overwrites_the_block() -> None:
+    io, caches, alloc = _io()
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        for c in caches:
+            c[1].view(torch.uint8).fill_(5)
+        (pieces,) = io.save_pieces([1])  # copied out to staging before wait_for_save returns
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for c in caches:
+            c[1].view(torch.uint8).fill_(6)  # the block's next owner
+    time.sleep(0.5)  # the store writes slowly, from staging
+    assert {b for p in pieces for b in bytes(p)} == {5}
+    alloc.free()
+
+
+def test_finish_never_synchronizes_the_whole_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    io, caches, alloc = _io()
+
+    def refuse(*_args: object) -> None:
+        raise AssertionError("torch.cuda.synchronize on the hot path")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+    _load_bytes(io, 4, 8)
+    io.finish()
+    io.save_pieces([4])
+    assert _block_bytes(caches, 4) == {8}
+    monkeypatch.undo()
+    alloc.free()
+
+
+def test_the_plan_counts_host_staging_on_the_host_and_device_staging_on_the_gpu() -> None:
+    free, _total = torch.cuda.mem_get_info()
+    settings = AllocatorSettings(device="cuda", num_blocks=5, max_staging_bytes=1 << 20)
+    plan = GpuBufferAllocator(SPEC, settings).plan()
+    assert plan.staging_bytes == 64 * SPEC.block_bytes and plan.device_staging_bytes == 1 << 20
+    assert plan.total_bytes + plan.device_staging_bytes <= free
+
+
+# -- p2p with CUDA caches: gloo on one GPU, NCCL between two (one process per engine) ------------------
 PROMPT = KVRequest("req-1", tuple(range(13)))  # block size 4: 3 loadable blocks
 PRODUCER_BLOCKS, CONSUMER_BLOCKS, LOADED = (5, 6, 7, 8), (1, 2, 3, 4), 3
 WAIT_S = 120.0
+PEER_TIMEOUT_S = 5.0
 
 
 def _free_port() -> int:
@@ -133,13 +259,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _p2p_container(role: str, port: int) -> Any:
-    gpu = 0 if role == "kv_producer" else 1
+def _gpu(role: str, backend: str) -> int:
+    return 1 if backend == "nccl" and role == "kv_consumer" else 0
+
+
+def _p2p_container(role: str, port: int, backend: str, timeout_s: float = 30.0) -> Any:
+    gpu = _gpu(role, backend)
     torch.cuda.set_device(gpu)
+    if backend == "nccl":  # one message per block and layer: several parts per layer
+        import kvdi.connectors.p2p.channel as channel_module
+
+        channel_module.PART_BYTES = 1
     return build_kv_container(
         kv_connector="p2p",
         kv_role=role,
-        p2p={"kv_port": port, "kv_rank": gpu, "backend": "nccl", "timeout_s": 30.0},
+        p2p={"kv_port": port, "kv_rank": 0 if role == "kv_producer" else 1, "backend": backend, "timeout_s": timeout_s},
         model={"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "hidden_size": 32},
         allocator={"device": f"cuda:{gpu}", "num_blocks": 16, "block_size": 4},
         transfer={"async_load": "off"},  # one synchronous step driven by hand
@@ -155,15 +289,27 @@ def _step(blocks: tuple[int, ...], computed: int) -> SchedulerOutput:
     return SchedulerOutput(1, (ScheduledRequest(PROMPT, blocks, computed, len(PROMPT.prompt_token_ids) - computed),))
 
 
-def _producer(port: int, out: Any, published: Any, done: Any) -> None:
+def _producer(port: int, backend: str, doomed: bool, out: Any, published: Any, done: Any) -> None:
     try:
-        c = _p2p_container("kv_producer", port)
+        c = _p2p_container("kv_producer", port, backend, PEER_TIMEOUT_S if doomed else 30.0)
         sched, worker = c.scheduler_connector(), c.worker_connector()
         worker.register_kv_caches(_caches(c.layout(), 1, "cuda:0"))
         sched.update_state_after_alloc(PROMPT, PRODUCER_BLOCKS, sched.get_num_new_matched_tokens(PROMPT, 0)[0])
         worker.bind_connector_metadata(sched.build_connector_meta(_step(PRODUCER_BLOCKS, 0)))
         worker.wait_for_save()
         worker.clear_connector_metadata()
+        if doomed:  # take the consumer's fetch request and die before answering it
+            import os
+            import signal
+            from datetime import timedelta
+
+            from kvdi.connectors.p2p.protocol import REQUEST_QUEUE
+
+            c.backend().stop_serving()
+            store = torch.distributed.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=WAIT_S))
+            published.set()
+            store.queue_pop(REQUEST_QUEUE)
+            os.kill(os.getpid(), signal.SIGKILL)
         published.set()
         done.wait(WAIT_S)
         c.shutdown_resources()
@@ -171,25 +317,34 @@ def _producer(port: int, out: Any, published: Any, done: Any) -> None:
         out.put(("producer_error", f"{type(exc).__name__}: {exc}"))
 
 
-def _consumer(port: int, out: Any, published: Any, done: Any) -> None:
+def _consumer(port: int, backend: str, doomed: bool, out: Any, published: Any, done: Any) -> None:
     try:
-        c = _p2p_container("kv_consumer", port)
+        c = _p2p_container("kv_consumer", port, backend, PEER_TIMEOUT_S if doomed else 30.0)
         sched, worker = c.scheduler_connector(), c.worker_connector()
-        caches = _caches(c.layout(), 2, "cuda:1")
+        device = f"cuda:{_gpu('kv_consumer', backend)}"
+        caches = _caches(c.layout(), 2, device)
         worker.register_kv_caches(caches)
         published.wait(WAIT_S)
         matched = sched.get_num_new_matched_tokens(PROMPT, 0)[0]
         sched.update_state_after_alloc(PROMPT, CONSUMER_BLOCKS, matched)
-        worker.bind_connector_metadata(sched.build_connector_meta(_step(CONSUMER_BLOCKS, matched)))
-        worker.start_load_kv()
+        compute = torch.cuda.Stream()  # vLLM computes on a stream of its own, kept busy here
+        start = time.monotonic()
+        with torch.cuda.stream(compute):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            for cache in caches.values():
+                cache[list(CONSUMER_BLOCKS)] = 0.0  # the blocks' old owner's queued write
+            worker.bind_connector_metadata(sched.build_connector_meta(_step(CONSUMER_BLOCKS, matched)))
+            worker.start_load_kv()
+        elapsed = time.monotonic() - start
         errors = sorted(worker.get_block_ids_with_load_errors())
         worker.clear_connector_metadata()
-        expected = _caches(c.layout(), 1, "cuda:1")
+        torch.cuda.synchronize()
+        expected = _caches(c.layout(), 1, device)
         same = all(
             torch.equal(caches[n][list(CONSUMER_BLOCKS[:LOADED])], expected[n][list(PRODUCER_BLOCKS[:LOADED])])
             for n in caches
         )
-        out.put(("loaded", (matched, errors, same)))
+        out.put(("loaded", (matched, errors, same, elapsed)))
         done.set()
         c.shutdown_resources()
     except Exception as exc:
@@ -197,11 +352,11 @@ def _consumer(port: int, out: Any, published: Any, done: Any) -> None:
         done.set()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL p2p needs two GPUs (one per process)")
-def test_nccl_p2p_moves_blocks_from_one_gpu_to_another(kvdi_env: Path) -> None:
+def _run_pair(backend: str, doomed: bool = False) -> tuple[Any, list[Any]]:
     ctx = mp.get_context("spawn")
     port, out, published, done = _free_port(), ctx.Queue(), ctx.Event(), ctx.Event()
-    procs = [ctx.Process(target=f, args=(port, out, published, done), daemon=True) for f in (_producer, _consumer)]
+    args = (port, backend, doomed, out, published, done)
+    procs = [ctx.Process(target=f, args=args, daemon=True) for f in (_producer, _consumer)]
     for p in procs:
         p.start()
     reports: dict[str, Any] = {}
@@ -220,4 +375,27 @@ def test_nccl_p2p_moves_blocks_from_one_gpu_to_another(kvdi_env: Path) -> None:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    assert reports["loaded"] == (LOADED * 4, [], True)
+    return reports["loaded"], procs
+
+
+def test_gloo_p2p_loads_into_a_cuda_cache_under_a_busy_compute_stream(kvdi_env: Path) -> None:
+    """Both engines on one GPU, the wire on the host (pinned staging): the loaded bytes land after the
+    compute queued on the consumer's stream, so they are what the producer held."""
+    (matched, errors, same, _elapsed), _procs = _run_pair("gloo")
+    assert (matched, errors, same) == (LOADED * 4, [], True)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL p2p needs two GPUs (one per process)")
+def test_nccl_p2p_moves_blocks_from_one_gpu_to_another_in_several_parts_per_layer(kvdi_env: Path) -> None:
+    (matched, errors, same, _elapsed), _procs = _run_pair("nccl")
+    assert (matched, errors, same) == (LOADED * 4, [], True)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL p2p needs two GPUs (one per process)")
+def test_an_nccl_peers_death_mid_fetch_fails_the_load_and_leaves_the_consumer_alive(kvdi_env: Path) -> None:
+    import signal
+
+    (matched, errors, _same, elapsed), procs = _run_pair("nccl", doomed=True)
+    assert matched == LOADED * 4 and errors == list(CONSUMER_BLOCKS[:LOADED])  # recomputed, not hung
+    assert elapsed < PEER_TIMEOUT_S + 10.0
+    assert procs[0].exitcode == -signal.SIGKILL and procs[1].exitcode == 0  # the consumer lived on

@@ -1,7 +1,7 @@
 """The ``cpu_offload`` backend: a host memory pool of fixed-size slots with LRU eviction.
 
-The pool is one buffer of ``max_bytes // frame_bytes`` slots (pinned with torch when CUDA is
-present, so device copies can be asynchronous), allocated on first write. Each slot holds one
+The pool is one buffer of ``max_bytes // frame_bytes`` slots (pageable: no device copy reads it,
+a CUDA cache's blocks pass through the worker's pinned staging), allocated on first write. Each slot holds one
 framed object, verified on load like an object of any other store. The container builds one
 pool per engine and hands it to both halves; a lock makes it safe to share across threads.
 
@@ -187,13 +187,8 @@ def open_store(options: CpuOffloadSettings, layout: KVCacheSpec, settings: KvdiS
             f"layout is {frame_bytes} B; raise it to at least {frame_bytes}"
         )
     frame_key(settings)  # a bad integrity key is a ConfigError when the backend is built (and in `kvdi check`)
-    return HostPoolStore(num_slots, frame_bytes, pin_memory=settings.allocator.pin_memory and _cuda_available())
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
+    # never pinned: no GPU copy reads the pool (a CUDA cache's blocks go through the worker's pinned staging)
+    return HostPoolStore(num_slots, frame_bytes, pin_memory=False)
 
 
 __all__ = ["HostPoolStore", "open_store"]

@@ -77,6 +77,9 @@ class AllocatorSettings(_Section):
     num_blocks: int | None = Field(None, gt=0, le=MAX_BLOCKS)
     memory_fraction: float | None = Field(None, gt=0.0, le=1.0)
     pin_memory: bool = True
+    max_staging_bytes: int = Field(64 << 20, gt=0)
+    """The most staging one transfer of kvdi holds outside the KV cache: a p2p fetch's receive staging
+    (pinned host memory for a CUDA cache over gloo, device memory over NCCL; fetches are split to fit)."""
 
     @field_validator("device")
     @classmethod
@@ -84,6 +87,11 @@ class AllocatorSettings(_Section):
         if not _DEVICE_RE.match(value):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
         return value
+
+    @field_validator("max_staging_bytes")
+    @classmethod
+    def _staging_memory(cls, value: int) -> int:
+        return within_physical_memory(value)
 
     @model_validator(mode="after")
     def _one_budget(self) -> AllocatorSettings:

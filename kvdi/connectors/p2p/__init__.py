@@ -3,9 +3,13 @@
 Modules, one concept each:
 
 - :mod:`~kvdi.connectors.p2p.errors`: :class:`P2pHandshakeError`, :class:`P2pTransferError`.
-- :mod:`~kvdi.connectors.p2p.backend`: the spec's backend factory (:func:`open_channel`).
+- :mod:`~kvdi.connectors.p2p.backend`: the spec's backend factory (:func:`open_channel`);
+  :mod:`~kvdi.connectors.p2p.roles`: which side of the pair the settings make.
+- :mod:`~kvdi.connectors.p2p.lookup`: lookups of published blocks, and the scheduler-only stand-in
+  for the channel when vLLM runs the worker half in another process (only the worker pairs).
 - :mod:`~kvdi.connectors.p2p.scheduler`, :mod:`~kvdi.connectors.p2p.worker`: the two halves.
-- :mod:`~kvdi.connectors.p2p.channel`: rendezvous, handshake, process group, the consumer's fetches.
+- :mod:`~kvdi.connectors.p2p.channel`: rendezvous, handshake, process group, the consumer's fetches;
+  :mod:`~kvdi.connectors.p2p.groups`: the process group (NCCL error handling, bounded waits, draining).
 - :mod:`~kvdi.connectors.p2p.serving`: the producer's serving loop.
 - :mod:`~kvdi.connectors.p2p.protocol`: store keys and queue messages, checked strictly.
 - :mod:`~kvdi.connectors.p2p.pairing`: the handshake through the store (the producer refuses bad

@@ -2,7 +2,10 @@
 
 Both halves of an engine share one :class:`~kvdi.connectors.p2p.channel.P2pChannel`, opened
 once per container by :func:`open_channel` (gloo on CPU, NCCL when the cache is on CUDA; the
-producer, rank 0, hosts the rendezvous store on ``kv_ip:kv_port``).
+producer, rank 0, hosts the rendezvous store on ``kv_ip:kv_port``). A scheduler half in a
+process without its worker half gets a :class:`~kvdi.connectors.p2p.lookup.LookupChannel`
+instead (:func:`~kvdi.connectors.p2p.lookup.open_lookups`, the spec's ``scheduler_backend``):
+only the worker pairs.
 """
 
 from __future__ import annotations
@@ -10,14 +13,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 from kvdi.connectors.base import ConnectorContext
+from kvdi.connectors.p2p.roles import MIN_TOKEN_CHARS, check_pair_settings
 from kvdi.errors import ConfigError, ConnectorTypeError
 
 if TYPE_CHECKING:
     from kvdi.connectors.p2p.channel import P2pChannel
+    from kvdi.connectors.p2p.lookup import Lookups
     from kvdi.layout import KVCacheSpec
     from kvdi.settings import KvdiSettings, P2pSettings
-
-MIN_TOKEN_CHARS = 16
 
 
 def open_channel(options: P2pSettings, layout: KVCacheSpec, settings: KvdiSettings) -> P2pChannel:
@@ -28,27 +31,8 @@ def open_channel(options: P2pSettings, layout: KVCacheSpec, settings: KvdiSettin
     """
     from kvdi.allocator import resolve_device
     from kvdi.connectors.p2p.channel import P2pChannel
-    from kvdi.connectors.p2p.protocol import CONSUMER_RANK, PRODUCER_RANK
 
-    if settings.kv_role == "kv_both":
-        raise ConfigError(
-            "KVDI_KV_ROLE='kv_both' is not supported by the p2p connector: run one engine with "
-            "kv_role=kv_producer (KVDI_P2P__KV_RANK=0) and one with kv_role=kv_consumer (KVDI_P2P__KV_RANK=1)"
-        )
-    producer = settings.kv_role == "kv_producer"
-    want = PRODUCER_RANK if producer else CONSUMER_RANK
-    if options.kv_rank != want or options.kv_parallel_size != 2:
-        raise ConfigError(
-            f"p2p pairs one producer (rank {PRODUCER_RANK}) with one consumer (rank {CONSUMER_RANK}): "
-            f"kv_role={settings.kv_role} needs KVDI_P2P__KV_RANK={want} and KVDI_P2P__KV_PARALLEL_SIZE=2, "
-            f"got kv_rank={options.kv_rank}, kv_parallel_size={options.kv_parallel_size}"
-        )
-    token = options.auth_token.get_secret_value() if options.auth_token is not None else None
-    if token is not None and len(token) < MIN_TOKEN_CHARS:  # the value itself is never shown
-        raise ConfigError(
-            f"KVDI_P2P__AUTH_TOKEN is too short ({len(token)} characters): use at least {MIN_TOKEN_CHARS}, "
-            "e.g. the output of: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
-        )
+    producer = check_pair_settings(options, settings)
     device = resolve_device(settings.allocator.device)
     return P2pChannel(
         options,
@@ -72,6 +56,20 @@ def pick_backend(options: P2pSettings, device: str) -> Literal["gloo", "nccl"]:
     return options.backend
 
 
+def require_lookups(context: ConnectorContext) -> Lookups:
+    """What the scheduler half of ``context`` looks blocks up in: the shared channel, or a
+    :class:`~kvdi.connectors.p2p.lookup.LookupChannel` when the worker half runs in another process."""
+    from kvdi.connectors.p2p.channel import P2pChannel
+    from kvdi.connectors.p2p.lookup import LookupChannel
+
+    if not isinstance(context.backend, P2pChannel | LookupChannel):
+        raise ConnectorTypeError(
+            f"connector {context.name!r} needs a P2pChannel or LookupChannel backend "
+            f"(kvdi.connectors.p2p.backend:open_channel), got {type(context.backend).__name__}"
+        )
+    return context.backend
+
+
 def require_channel(context: ConnectorContext) -> P2pChannel:
     """The shared channel of ``context``; ConnectorTypeError if the container built something else."""
     from kvdi.connectors.p2p.channel import P2pChannel
@@ -84,4 +82,4 @@ def require_channel(context: ConnectorContext) -> P2pChannel:
     return context.backend
 
 
-__all__ = ["open_channel", "pick_backend", "require_channel"]
+__all__ = ["MIN_TOKEN_CHARS", "open_channel", "pick_backend", "require_channel", "require_lookups"]

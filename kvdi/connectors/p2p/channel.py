@@ -42,7 +42,9 @@ import torch.distributed as dist
 
 from kvdi.connectors.p2p import handshake as hs
 from kvdi.connectors.p2p.errors import P2pHandshakeError, P2pTransferError
+from kvdi.connectors.p2p.groups import drain, make_group, wait_work
 from kvdi.connectors.p2p.held import Frames, HeldBlocks
+from kvdi.connectors.p2p.lookup import PAIRED_KEY, count_published
 from kvdi.connectors.p2p.pairing import ProducerPairing, consumer_pair
 from kvdi.connectors.p2p.protocol import (
     CONSUMER_RANK,
@@ -168,10 +170,13 @@ class P2pChannel:
         mine = hs.make_hello(rank=self.rank, backend=self.backend, layout=self.layout, engine_id=engine_id, auth=auth)
         o = self.options
         if not self.producer:
-            return consumer_pair(
+            paired = consumer_pair(
                 self._store, self.where, mine, self.layout, self.backend, self._token,
                 connect_timeout_s=o.connect_timeout_s, call=self._setup,
             )  # fmt: skip
+            # for a scheduler half in another process (kvdi.connectors.p2p.lookup): the hello is public anyway
+            self._setup("announcing the pairing", lambda: self._store.set(PAIRED_KEY, hs.json_text(mine)))
+            return paired
         self._pairing = ProducerPairing(
             self._store, self.where, self.layout, self.backend, self._token,
             connect_timeout_s=o.connect_timeout_s, timeout_s=o.timeout_s, call=self._watchdog.call,
@@ -186,15 +191,11 @@ class P2pChannel:
 
     def _make_group(self) -> Any:
         store = dist.PrefixStore(PREFIX + "pg", self._store)  # type: ignore[attr-defined]
-        if self.backend == "nccl":
-            torch.cuda.set_device(self.device)
-            nccl_options = dist.ProcessGroupNCCL.Options()
-            nccl_options._timeout = self._timeout
-            return dist.ProcessGroupNCCL(store, self.rank, 2, nccl_options)
-        gloo_options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        gloo_options._timeout = self._timeout  # also bounds every send and receive
-        gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.options.kv_ip)]
-        return dist.ProcessGroupGloo(store, self.rank, 2, gloo_options)
+        deadline = time.monotonic() + self.options.connect_timeout_s
+        return make_group(
+            self.backend, store, self.rank, timeout=self._timeout, device=self.device, host=self.options.kv_ip,
+            deadline=deadline,
+        )  # fmt: skip
 
     # -- state --------------------------------------------------------------------
     @property
@@ -228,23 +229,8 @@ class P2pChannel:
         """How many of ``keys``, from the first, the producer holds; 0 once broken."""
         if self._broken is not None or not keys:
             return 0
-        names = [self.session.published(self.session.name(k)) for k in keys]
-        store = self._store
-
-        def search() -> int:
-            if store.check(names):
-                return len(names)
-            lo, hi = 0, len(names) - 1  # the first lo are published; the answer is <= hi
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if store.check(names[:mid]):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            return lo
-
         try:
-            return self._watchdog.call(search, self.options.timeout_s)
+            return count_published(self._store, self.session, keys, self._watchdog.call, self.options.timeout_s)
         except (RuntimeError, TimeoutError) as exc:
             self._break(f"lookup failed: {str(exc).splitlines()[0]}")
             return 0
@@ -309,13 +295,11 @@ class P2pChannel:
         except (RuntimeError, TimeoutError) as exc:
             reason = f"fetch {seq} of {n} blocks failed: {str(exc).splitlines()[0]}"
             self._break(reason)
+            drain(self._pg)  # receives still posted must not land late in blocks the engine recomputes
             raise P2pTransferError(reason) from None
 
     def _wait(self, work: Any, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no answer within KVDI_P2P__TIMEOUT_S={self.options.timeout_s}")
-        work.wait(timedelta(seconds=left))
+        wait_work(work, deadline, self.backend)
 
     # -- producer -----------------------------------------------------------------
     def hold(self, keys: Sequence[bytes], frames: Frames) -> int:

@@ -23,7 +23,7 @@ from kvdi.connectors.base import (
     SchedulerOutput,
     loadable_tokens,
 )
-from kvdi.connectors.p2p.backend import require_channel
+from kvdi.connectors.p2p.backend import require_lookups
 from kvdi.connectors.store.keys import block_keys
 from kvdi.connectors.store.plan import RequestPlan
 
@@ -42,7 +42,7 @@ class P2pSchedulerConnector(SchedulerConnector):
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
-        self.channel = require_channel(context)
+        self.channel = require_lookups(context)
         self._block_size = context.layout.block_size
         self.load_async = context.settings.transfer.async_load != "off"
         """Whether loads run in the background: ``transfer.async_load`` ``on``, or ``auto`` (p2p reads are remote)."""

@@ -19,6 +19,7 @@ them per ``kv_load_failure_policy``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from functools import partial
@@ -38,6 +39,7 @@ from kvdi.connectors.p2p.errors import P2pTransferError
 from kvdi.connectors.p2p.scheduler import P2pTransferMetadata
 from kvdi.connectors.store.integrity import frame_key
 from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue, add_stats
+from kvdi.connectors.streams import StreamOrder, order_for
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +64,9 @@ class P2pWorkerConnector(WorkerConnector):
         self._finishing: set[str] = set()
         self._received: set[str] = set()
         self._logged: set[str] = set()
+        self._order: StreamOrder | None = None  # a CUDA cache: copies ordered against the engine's stream
+        self._staged: object = None  # event after the last fetch's copies out of staging
+        self._blocks_per_fetch = max(1, context.settings.allocator.max_staging_bytes // self.layout.block_bytes)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         from kvdi.connectors.p2p.frames import CacheReceiver
@@ -70,6 +75,8 @@ class P2pWorkerConnector(WorkerConnector):
         if missing:
             raise ValueError(f"register_kv_caches() lacks layers {missing} of the KV layout")
         self._caches = [kv_caches[n] for n in self.layout.layer_names]
+        if self._order is None:
+            self._order = order_for(self._caches[0].device)
         if not self.channel.producer:
             self._receiver = CacheReceiver(
                 self._caches, self.layout, self.channel.wire_device, self.context.staging, self._key
@@ -91,16 +98,28 @@ class P2pWorkerConnector(WorkerConnector):
         if meta.loads:
             with self.stats.timed("load_seconds"):
                 self.report_load_error(self._load(self._receiver, meta.loads, self.stats))
-        if isinstance(meta, P2pTransferMetadata):
+        if isinstance(meta, P2pTransferMetadata) and meta.async_loads:
+            fence = self._order.fence() if self._order is not None else None  # the compute queued so far
             for t in meta.async_loads:
-                self._queue.submit_load(t.request_id, t.block_ids, partial(self._load_job, self._receiver, t))
+                self._queue.submit_load(t.request_id, t.block_ids, partial(self._load_job, self._receiver, t, fence))
 
-    def _load_job(self, receiver: CacheReceiver, transfer: BlockTransfer) -> Outcome:
-        """One asynchronous load, on the background thread; its counters and failed blocks in the outcome."""
+    def _load_job(self, receiver: CacheReceiver, transfer: BlockTransfer, fence: object = None) -> Outcome:
+        """One asynchronous load, on the background thread; its counters and failed blocks in the outcome.
+
+        On a CUDA cache its copies run on a side stream after ``fence`` (a reused block's old owner's
+        writes land first), and the job waits for them before the request is reported."""
         out = Outcome(transfer.request_id, True)
-        with out.stats.timed("load_seconds"):
+        side = self._order.side(fence) if self._order is not None else contextlib.nullcontext()
+        with out.stats.timed("load_seconds"), side:
             out.failed_blocks = tuple(self._load(receiver, (transfer,), out.stats))
+            self._settle_copies()
         return out
+
+    def _settle_copies(self) -> None:
+        """Wait (host) for this thread's queued copies into the cache; nothing on a CPU cache."""
+        if self._order is not None:
+            self._order.wait()
+            self._staged = None
 
     def _collect(self, outcomes: list[Outcome]) -> None:
         """Apply ended asynchronous loads on the engine thread: counters, load errors, finished receiving."""
@@ -124,12 +143,17 @@ class P2pWorkerConnector(WorkerConnector):
         """Fetch ``transfers`` in one batch; the block ids not loaded (each transfer from its first bad block)."""
         keys = [k for t in transfers for k in t.block_keys]
         ids = [b for t in transfers for b in t.block_ids]
+        if not keys:  # a layout bridge's marker: the blocks were loaded synchronously, only the report is left
+            return []
+        good: list[bool] = []
+        step = self._blocks_per_fetch
         try:
-            good = self._fetch(receiver, keys, ids, stats)
+            for a in range(0, len(keys), step):  # a fetch's staging stays under allocator.max_staging_bytes
+                good += self._fetch(receiver, keys[a : a + step], ids[a : a + step], stats)
         except P2pTransferError as exc:
             stats.load_failures += 1
             log_once(logger, self._logged, "fetch", "kv connector %r: p2p load failed, recomputing: %s", self.name, exc)
-            good = [False] * len(keys)
+        good += [False] * (len(keys) - len(good))
         failed: list[int] = []
         i = 0
         for t in transfers:  # a load is usable up to its first bad block; the rest is recomputed
@@ -152,8 +176,15 @@ class P2pWorkerConnector(WorkerConnector):
         if rows:
             targets = [ids[i] for i in rows]
             buffers, direct = receiver.buffers(targets)
+            if not direct and self._staged is not None:  # staging is reused: the last copies out of it ran
+                self._staged.synchronize()  # type: ignore[attr-defined]
+                self._staged = None
             sink = receiver.receiving(buffers, targets, direct, [keys[i] for i in rows])
-            self.channel.receive(answer, buffers, sink)
+            try:
+                self.channel.receive(answer, buffers, sink)
+            finally:
+                if not direct and self._order is not None:
+                    self._staged = self._order.mark()
             for row, problem in zip(rows, sink.verdicts(answer.headers), strict=True):
                 good[row] = problem is None
                 if problem is not None:

@@ -5,16 +5,21 @@ A block of one layer (``cache[block_id]``, K then V) is contiguous, so one store
 saves write straight from it and loads read straight into it (no staging copy). On a device
 cache, blocks bounce through a host staging buffer taken from the engine's allocator
 (:meth:`kvdi.allocator.GpuBufferAllocator.staging`: pinned when the cache is on CUDA and
-``KVDI_ALLOCATOR__PIN_MEMORY`` is on).
+``KVDI_ALLOCATOR__PIN_MEMORY`` is on); its copies are ordered against the engine's CUDA stream
+by :mod:`kvdi.connectors.streams` (events, a fenced side stream for background jobs, no
+device-wide synchronize).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from kvdi.connectors.streams import StreamOrder, order_for
 
 if TYPE_CHECKING:
     import torch
@@ -43,11 +48,14 @@ class CacheIO:
         chunk: int,
         staging: bool | None = None,
         buffers: Staging | None = None,
+        order: StreamOrder | None = None,
     ) -> None:
         """``staging`` forces (True) or forbids (False) the host bounce; None: only for non-CPU caches.
 
         ``buffers`` is where the staging rows come from (the worker half's
         ``context.staging``); None: a private :class:`~kvdi.allocator.StagingBuffers`.
+        ``order`` orders the copies of a CUDA cache against the engine's stream
+        (:mod:`kvdi.connectors.streams`); None: :func:`~kvdi.connectors.streams.order_for` the cache's device.
         """
         import torch
 
@@ -67,6 +75,7 @@ class CacheIO:
                 )
             self._u8.append(t.view(torch.uint8).view(self.num_blocks, layer_bytes))
         self.direct = first.device.type == "cpu" if staging is None else not staging
+        self.order = order if order is not None else order_for(first.device)
         self._np = [u.numpy() for u in self._u8] if self.direct else []
         self._staging: torch.Tensor | None = None
         self._staging_np: np.ndarray | None = None
@@ -102,15 +111,29 @@ class CacheIO:
         assert self._staging is not None
         row, lb = self._staging[i], self.layer_bytes
         for l, u in enumerate(self._u8):  # noqa: E741
-            u[block_id].copy_(row[l * lb : (l + 1) * lb], non_blocking=True)
+            self._copy(u[block_id], row[l * lb : (l + 1) * lb])
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One staging copy: asynchronous on the current stream of a CUDA cache (see :meth:`finish`)."""
+        if self.order is not None:
+            self.order.copy(dst, src)
+        else:
+            dst.copy_(src, non_blocking=True)
 
     def finish(self) -> None:
-        """Wait for pending device copies (before staging rows are reused)."""
-        device = self._u8[0].device
-        if device.type == "cuda":
-            import torch
+        """Wait for this thread's queued copies (before staging rows are read or reused): on the event
+        after them on the current stream, never a device-wide synchronize."""
+        if self.order is not None:
+            self.order.wait()
 
-            torch.cuda.synchronize(device)
+    def fence(self) -> object:
+        """On the engine thread, before handing a load to the background: what the job's copies must
+        follow (the compute queued so far on the current stream); None for a CPU cache."""
+        return self.order.fence() if self.order is not None else None
+
+    def on_side_stream(self, fence: object) -> contextlib.AbstractContextManager[object]:
+        """Background jobs run their copies inside this: on the side stream, after ``fence`` only."""
+        return self.order.side(fence) if self.order is not None else contextlib.nullcontext()
 
     def save_pieces(self, block_ids: Sequence[int]) -> list[list[memoryview]]:
         """The payload pieces of each block, valid until the next call."""
@@ -121,7 +144,7 @@ class CacheIO:
         for i, b in enumerate(block_ids):
             row = self._staging[i]
             for l, u in enumerate(self._u8):  # noqa: E741
-                row[l * lb : (l + 1) * lb].copy_(u[b], non_blocking=True)
+                self._copy(row[l * lb : (l + 1) * lb], u[b])
         self.finish()
         return [self._row_pieces(i) for i in range(len(block_ids))]
 

@@ -11,7 +11,8 @@ is read in place by the background writer, so a request with asynchronous transf
 its blocks (the scheduler half answered ``delay_free``) until this half reports it as
 finished sending in :meth:`get_finished`, after its last job; :meth:`handle_preemptions`
 flushes the jobs of requests whose blocks the engine takes back at once. A device cache
-is copied out to host staging on the engine thread (pinned; loads copy in on a side stream).
+is copied out to host staging on the engine thread (pinned; background loads copy in on a side stream
+that waits for the compute queued when the load was handed over: :mod:`kvdi.connectors.streams`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from kvdi.connectors.base import (
     BlockTransfer,
@@ -77,7 +78,6 @@ class StoreWorkerConnector(WorkerConnector):
         self._io: CacheIO | None = None
         self._tensors: list[torch.Tensor] = []
         self._staging: list[CacheIO] = []  # free host staging for background jobs on a device cache
-        self._side: object = None  # torch.cuda.Stream for background copies, on CUDA
         self._executor: ThreadPoolExecutor | None = None
         self._queue = TransferQueue(self.name, transfer.max_inflight_bytes)
         self._async_save = transfer.async_save
@@ -97,10 +97,6 @@ class StoreWorkerConnector(WorkerConnector):
         tensors = [kv_caches[n] for n in names] if len(names) == len(kv_caches) else list(kv_caches.values())
         self._io = CacheIO(tensors, layout.layer_block_bytes, self._chunk, buffers=self.context.staging)
         self._tensors = tensors
-        if tensors[0].device.type == "cuda":
-            import torch
-
-            self._side = torch.cuda.Stream(tensors[0].device)  # type: ignore[no-untyped-call]
 
     @property
     def inflight_bytes(self) -> int:
@@ -201,21 +197,18 @@ class StoreWorkerConnector(WorkerConnector):
             with self.stats.timed("load_seconds"):
                 for transfer in meta.loads:
                     self.report_load_error(self._load_request(io, transfer, self.stats, self._background(io)))
-        if isinstance(meta, StoreTransferMetadata):
+        if isinstance(meta, StoreTransferMetadata) and meta.async_loads:
+            fence = self._cache().fence()  # CUDA: the jobs' copies follow the compute queued so far (issue 22)
             for transfer in meta.async_loads:
-                self._queue.submit_load(transfer.request_id, transfer.block_ids, partial(self._load_job, transfer))
+                job = partial(self._load_job, transfer, fence)
+                self._queue.submit_load(transfer.request_id, transfer.block_ids, job)
 
-    def _load_job(self, transfer: BlockTransfer) -> Outcome:
+    def _load_job(self, transfer: BlockTransfer, fence: object = None) -> Outcome:
         io = self._job_io()
         out = Outcome(transfer.request_id, True)
         try:
-            if self._side is None:
+            with io.on_side_stream(fence):  # CUDA: a side stream after ``fence``; each chunk waits on its event
                 out.failed_blocks = tuple(self._load_request(io, transfer, out.stats, None))
-            else:
-                import torch
-
-                with torch.cuda.stream(cast(torch.cuda.Stream, self._side)):
-                    out.failed_blocks = tuple(self._load_request(io, transfer, out.stats, None))
         finally:
             self._release_io(io)
         return out

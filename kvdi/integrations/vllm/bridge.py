@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any, cast
 
 import torch
 
@@ -65,17 +66,19 @@ class LayoutBridge:
                 out.append(BlockTransfer(t.request_id, slots, t.block_keys))
             return tuple(out)
 
-        if not isinstance(metadata, StoreTransferMetadata):
+        async_loads: tuple[BlockTransfer, ...] | None = getattr(metadata, "async_loads", None)  # store and p2p
+        if async_loads is None:
             loads, saves = remap(metadata.loads, self._loads), remap(metadata.saves, self._saves)
             bridged: BlockTransferMetadata = BlockTransferMetadata(loads, saves)
         else:
             # Scratch slots are reused by the next step, so nothing may run in the background here: async
             # loads run now, with the sync ones, and an empty async load per request keeps the worker's
             # bookkeeping (reported finished receiving next step, its blocks held until finished sending).
-            loads = remap((*metadata.loads, *metadata.async_loads), self._loads)
+            loads = remap((*metadata.loads, *async_loads), self._loads)
             saves = remap(metadata.saves, self._saves)
-            markers = tuple(BlockTransfer(t.request_id, (), ()) for t in metadata.async_loads)
-            bridged = replace(metadata, loads=loads, saves=saves, async_loads=markers, async_save=False)
+            markers = tuple(BlockTransfer(t.request_id, (), ()) for t in async_loads)
+            sync_saves = {"async_save": False} if isinstance(metadata, StoreTransferMetadata) else {}
+            bridged = replace(cast(Any, metadata), loads=loads, saves=saves, async_loads=markers, **sync_saves)
         self._slot_to_block = dict((slot, block) for block, slot in self._loads)
         if next_slot:
             self._ensure_scratch(next_slot)

@@ -60,8 +60,12 @@ def needs_block_index(spec: ConnectorSpec, vllm_config: Any) -> bool:
     current through vLLM's worker-to-scheduler metadata. With
     ``distributed_executor_backend="uni"`` both halves share the real store instead.
     """
-    backend = vllm_config.parallel_config.distributed_executor_backend
-    return spec.process_local and backend not in ("uni", "external_launcher")
+    return spec.process_local and worker_elsewhere(vllm_config)
+
+
+def worker_elsewhere(vllm_config: Any) -> bool:
+    """True when vLLM builds the worker role in another process than the scheduler role (not ``uni``)."""
+    return vllm_config.parallel_config.distributed_executor_backend not in ("uni", "external_launcher")
 
 
 def model_identity(vllm_config: Any) -> str:

@@ -56,12 +56,11 @@ except ImportError as exc:  # only vLLM loads this module; say what to install i
     raise ImportError(f"kvdi.integrations.vllm needs vLLM ({exc}); install it with: pip install 'kvdi[vllm]'") from exc
 
 from kvdi.connectors.base import BlockTransferMetadata, SchedulerConnector, WorkerConnector
-from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.errors import ConfigError, KvdiError, KVLoadError
 from kvdi.integrations.vllm.async_loads import SchedulerLoads, WorkerLoads
 from kvdi.integrations.vllm.block_index import BlockIndex
 from kvdi.integrations.vllm.bridge import LayoutBridge
-from kvdi.integrations.vllm.config import STATS_DIR_KEY, kvdi_settings_kwargs, needs_block_index
+from kvdi.integrations.vllm.config import STATS_DIR_KEY, kvdi_settings_kwargs, needs_block_index, worker_elsewhere
 from kvdi.integrations.vllm.envelopes import KvdiConnectorMetadata, KvdiConnectorStats, KvdiWorkerMetadata
 from kvdi.integrations.vllm.events import FleetHooks
 from kvdi.integrations.vllm.groups import groups_from_vllm
@@ -117,7 +116,8 @@ class KvdiConnector(FleetHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignor
                 args = (self.groups, self.layout, kwargs, self._shape, self._tracker, self._index_mode)
                 self.half = open_hybrid(container, worker, *args)
             else:
-                self.half, self._index = open_single(container, worker, self._shape, self._index_mode)
+                elsewhere = worker_elsewhere(vllm_config)
+                self.half, self._index = open_single(container, worker, self._shape, self._index_mode, elsewhere)
             if worker:
                 self._worker = cast(WorkerConnector, self.half)
             else:
@@ -260,9 +260,8 @@ class KvdiConnector(FleetHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignor
         if isinstance(inner, BlockTransferMetadata):
             self._step_meta = inner
             self._saves_due = bool(inner.saves)
-            if isinstance(inner, StoreTransferMetadata):
-                for t in inner.async_loads:
-                    self._async.started(t.request_id, t.block_ids, t.block_keys)
+            for t in getattr(inner, "async_loads", ()):  # store and p2p metadata: loads that end in a later step
+                self._async.started(t.request_id, t.block_ids, t.block_keys)
             # Async loads start here and finish in a later step's start_load_kv: call it until reported.
             self._loads_due = bool(inner.loads) or bool(self._async.loading)
         else:  # a connector with its own metadata (p2p): let it see every hook

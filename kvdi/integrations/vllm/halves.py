@@ -27,12 +27,16 @@ from kvdi.integrations.vllm.parallel import AllRanksStore, KeyLookup, RankSlice
 from kvdi.integrations.vllm.requests import RequestTracker
 from kvdi.integrations.vllm.shared import SHARED
 from kvdi.layout import KVCacheSpec
+from kvdi.registry import import_target
 
 
 def open_single(
-    container: KVTransferContainer, worker: bool, shape: RankSlice, index_mode: bool
+    container: KVTransferContainer, worker: bool, shape: RankSlice, index_mode: bool, worker_elsewhere: bool = False
 ) -> tuple[SchedulerConnector | WorkerConnector, BlockIndex | None]:
-    """The container's ``worker`` (or scheduler) half, and the scheduler's :class:`BlockIndex` in index mode."""
+    """The container's ``worker`` (or scheduler) half, and the scheduler's :class:`BlockIndex` in index mode.
+
+    ``worker_elsewhere``: vLLM builds the worker role in another process; a spec's ``scheduler_backend``
+    (p2p: only the worker process pairs) then stands in for the backend of the scheduler half."""
     if shape.sliced:
         check_parallel(container, shape, index_mode)  # before building a half (p2p's would wait for its peer)
     if worker:
@@ -43,6 +47,10 @@ def open_single(
     elif shape.sliced:
         backend = cast(KeyLookup, container.backend())
         container.backend.override(providers.Object(AllRanksStore(backend, shape)))
+    elif (only := container.connector().spec.scheduler_backend) and worker_elsewhere:
+        # p2p: the worker process pairs; this process must not bind the rendezvous store too
+        factory = providers.Resource(import_target(only), container.options, container.layout, container.settings)
+        container.backend.override(factory)
     return cast(SchedulerConnector, container.scheduler_connector()), index
 
 

@@ -1,0 +1,129 @@
+"""How kvdi's store copies to and from a CUDA cache are ordered (kvdi.connectors.streams, CacheIO), without a GPU.
+
+CacheIO runs on CPU tensors with a host bounce (``staging=True``) and a
+:class:`~kvdi.testing.cuda_recording.RecordingCuda`: the copies really happen, and every stream and
+event call is recorded, so each test checks where a copy ran and what the host waited for. The same
+paths on a real GPU (under a busy compute stream) are in ``tests/test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvdi.connectors.store.blockio import CacheIO
+from kvdi.connectors.streams import StreamOrder
+from kvdi.testing.cuda_recording import RecordingCuda
+
+LAYERS, BLOCKS, LAYER_BYTES = 2, 8, 64
+
+
+@pytest.fixture(autouse=True)
+def _no_device_wide_synchronize(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_args: object) -> None:
+        raise AssertionError("torch.cuda.synchronize on the hot path")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+
+
+def cache_io() -> tuple[CacheIO, list[torch.Tensor], RecordingCuda]:
+    caches = [torch.zeros(BLOCKS, LAYER_BYTES // 4, dtype=torch.float32) for _ in range(LAYERS)]
+    cuda = RecordingCuda()
+    return CacheIO(caches, LAYER_BYTES, chunk=4, staging=True, order=StreamOrder("cuda:0", cuda)), caches, cuda
+
+
+def fill_row(io: CacheIO, i: int, block_id: int, value: int) -> None:
+    for piece in io.load_pieces(i, block_id):
+        piece.cast("B")[:] = bytes([value]) * len(piece)
+
+
+def test_a_synchronous_load_copies_on_the_engine_stream_and_waits_on_its_event_only() -> None:
+    """Engine thread: the copies follow the compute queued on the current stream; the host then waits on
+    an event after them (before staging is reused), never on the whole device."""
+    io, caches, cuda = cache_io()
+    fill_row(io, 0, 5, 3)
+    io.commit_load(0, 5)
+    io.finish()
+    assert cuda.log == [("copy", "compute")] * LAYERS + [("record", "e1", "compute"), ("host_wait", "e1", "compute")]
+    assert all(bool((c[5].view(torch.uint8) == 3).all()) for c in caches)
+
+
+def test_a_background_load_waits_for_the_compute_queued_when_it_was_handed_over_and_nothing_else() -> None:
+    """The fence is recorded on the engine thread; the job's side stream waits on it before its first copy
+    (a reused block's old owner's writes land first) and the host waits on the side stream's event only."""
+    io, caches, cuda = cache_io()
+    fence = io.fence()  # engine thread, at submit
+
+    def job() -> None:
+        with io.on_side_stream(fence):
+            fill_row(io, 0, 2, 9)
+            io.commit_load(0, 2)
+            io.finish()
+
+    worker = threading.Thread(target=job)
+    worker.start()
+    worker.join()
+    assert cuda.log == [
+        ("record", "e1", "compute"),
+        ("wait_event", "side1", "e1"),
+        *[("copy", "side1")] * LAYERS,
+        ("record", "e2", "side1"),
+        ("host_wait", "e2", "side1"),
+    ]
+    assert all(bool((c[2].view(torch.uint8) == 9).all()) for c in caches)
+
+
+def test_a_save_reads_the_block_on_the_engine_stream_and_the_host_waits_before_reading_the_bytes() -> None:
+    io, caches, cuda = cache_io()
+    for layer, cache in enumerate(caches):
+        cache[4].view(torch.uint8).fill_(10 + layer)
+    (pieces,) = io.save_pieces([4])
+    assert cuda.log[-2:] == [("record", "e1", "compute"), ("host_wait", "e1", "compute")]
+    assert cuda.kinds()[:LAYERS] == ["copy"] * LAYERS and {e[1] for e in cuda.log[:LAYERS]} == {"compute"}
+    assert [bytes(p) for p in pieces] == [bytes([10 + layer]) * LAYER_BYTES for layer in range(LAYERS)]
+
+
+def test_a_cpu_cache_orders_nothing() -> None:
+    caches = [torch.zeros(BLOCKS, LAYER_BYTES // 4) for _ in range(LAYERS)]
+    io = CacheIO(caches, LAYER_BYTES, chunk=4)
+    assert io.direct and io.order is None and io.fence() is None
+    with io.on_side_stream(None):
+        io.finish()
+
+
+def test_the_store_worker_fences_an_async_load_at_hand_over_and_runs_it_on_the_side_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the real store worker and shared_storage files: the fence is recorded by start_load_kv on
+    the engine thread, the job's stream waits on it before loading, and the bytes arrive."""
+    import kvdi.connectors.store.blockio as blockio
+    from kvdi.connectors.base import BlockTransfer, ConnectorContext, KVConnectorRole
+    from kvdi.connectors.shared_storage import FileBlockStore
+    from kvdi.connectors.store import StoreWorkerConnector
+    from kvdi.connectors.store.scheduler import StoreTransferMetadata
+    from kvdi.layout import KVCacheSpec
+    from kvdi.settings import load_settings
+
+    cuda = RecordingCuda()
+    monkeypatch.setattr(blockio, "order_for", lambda device: StreamOrder("cuda:0", cuda))  # the cache "is on CUDA"
+    layout = KVCacheSpec("m", LAYERS, 2, 8, 4, "float32")
+    settings = load_settings(kv_role="kv_both", transfer={"async_save": False})
+    worker = StoreWorkerConnector(
+        ConnectorContext("shared_storage", KVConnectorRole.WORKER, settings, layout, None, FileBlockStore(tmp_path))
+    )
+    caches = {n: torch.randn((BLOCKS, *layout.block_shape)) for n in layout.layer_names}
+    worker.register_kv_caches(caches)
+    saved = {n: c[1].clone() for n, c in caches.items()}
+    worker.bind_connector_metadata(StoreTransferMetadata(saves=(BlockTransfer("w", (1,), (b"k" * 16,)),)))
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    del cuda.log[:]
+    worker.bind_connector_metadata(StoreTransferMetadata(async_loads=(BlockTransfer("r", (6,), (b"k" * 16,)),)))
+    worker.start_load_kv()
+    worker.flush()
+    assert cuda.log[:2] == [("record", cuda.log[0][1], "compute"), ("wait_event", "side1", cuda.log[0][1])]
+    assert all(torch.equal(caches[n][6], saved[n]) for n in caches)
+    worker.shutdown()
