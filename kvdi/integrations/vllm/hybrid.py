@@ -116,7 +116,8 @@ class HybridScheduler(SchedulerConnector):
         return n
 
     def update_state_after_alloc(self, request: KVRequest, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        self.allocated(request, (list(block_ids),) * len(self.groups), num_external_tokens)
+        """kvdi's single-list form: ``block_ids`` are the first group's (others load nothing); see :meth:`allocated`."""
+        self.allocated(request, (list(block_ids),), num_external_tokens)
 
     def allocated(self, request: KVRequest, group_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
         """vLLM allocated ``group_ids`` (one list per group) and accepted ``num_external_tokens``."""
@@ -132,10 +133,7 @@ class HybridScheduler(SchedulerConnector):
         for g, group in enumerate(self.groups):
             ids = group_ids[g] if g < len(group_ids) else ()
             span = [i for i in group.to_load(local // group.block_size, boundary // group.block_size) if i < len(ids)]
-            keys = plan.keys[g]
-            transfers.append(
-                BlockTransfer(request.request_id, tuple(ids[i] for i in span), tuple(keys[i] for i in span))
-            )
+            transfers.append(_transfer(request.request_id, ids, plan.keys[g], span))
             plan.saved[g] = max(plan.saved[g], boundary // group.block_size)
         self._async_loads[request.request_id] = transfers
 
@@ -162,9 +160,7 @@ class HybridScheduler(SchedulerConnector):
                     plan.saved[g] = max(plan.saved[g], end)
                     picked = group.to_save(start, end, prompt) if end > start else []
                     if picked:
-                        saves[g].append(
-                            BlockTransfer(rid, tuple(ids[i] for i in picked), tuple(keys[i] for i in picked))
-                        )
+                        saves[g].append(_transfer(rid, ids, keys, picked))
                         plan.held = plan.held or async_save
         for rid in output.finished_req_ids:
             self._plans.pop(rid, None)
