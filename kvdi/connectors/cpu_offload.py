@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -100,6 +100,22 @@ class HostPoolStore:
             self._touch([k for k, _ in items])
             return out
 
+    def visit_many(self, keys: Sequence[bytes], visit: Callable[[int, memoryview], None]) -> list[bool]:
+        """Lend each object's slot to ``visit`` under the lock (see ``ViewStore``): the worker half verifies the
+        frame there and copies its payload out while it is in the CPU cache, one pass over memory."""
+        with self._lock:
+            pool = self._pool
+            present: list[bool] = []
+            for i, key in enumerate(keys):
+                entry = self._lru.get(key)
+                if entry is None or pool is None:
+                    present.append(False)
+                    continue
+                visit(i, pool[entry[0], : entry[1]].data)  # at most one slot: never more than a frame
+                present.append(True)
+            self._touch(keys)
+            return present
+
     def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
         """Copy each object into a slot, evicting LRU objects; returns how many were stored.
 
@@ -123,17 +139,18 @@ class HostPoolStore:
         return stored
 
     def _put(self, key: bytes, pieces: Sequence[Buffer]) -> int:
-        views = [np.frombuffer(p, dtype=np.uint8) for p in pieces]
-        size = sum(v.size for v in views)
+        views = [p if isinstance(p, memoryview) and p.format == "B" else memoryview(p).cast("B") for p in pieces]
+        size = sum(map(len, views))  # 1-D byte views: len is nbytes
         if size > self.slot_bytes:
             return 0
         pool = self._slots()
         entry = self._lru.pop(key, None)
         slot = entry[0] if entry is not None else self._take_slot()
-        row, offset = pool[slot], 0
-        for v in views:
-            np.copyto(row[offset : offset + v.size], v)
-            offset += v.size
+        row, offset = pool[slot].data, 0
+        for v in views:  # memoryview assignment: one memcpy per piece, little per-call overhead
+            end = offset + v.nbytes
+            row[offset:end] = v
+            offset = end
         self._lru[key] = (slot, size)
         return 1
 
