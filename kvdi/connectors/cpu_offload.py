@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.store.blockio import scatter
+from kvdi.connectors.store.blockio import gather, scatter
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer
 from kvdi.connectors.store.integrity import frame_key
 from kvdi.errors import ConfigError
@@ -95,7 +95,7 @@ class HostPoolStore:
                     continue
                 slot, size = entry
                 if size == sum(p.nbytes for p in pieces):
-                    scatter(pool[slot], pieces)
+                    scatter(pool[slot].data, pieces)
                 out.append(size)  # at most one slot: an object never outgrows the frame it was stored as
             self._touch([k for k, _ in items])
             return out
@@ -146,11 +146,7 @@ class HostPoolStore:
         pool = self._slots()
         entry = self._lru.pop(key, None)
         slot = entry[0] if entry is not None else self._take_slot()
-        row, offset = pool[slot].data, 0
-        for v in views:  # memoryview assignment: one memcpy per piece, little per-call overhead
-            end = offset + v.nbytes
-            row[offset:end] = v
-            offset = end
+        gather(views, pool[slot].data)
         self._lru[key] = (slot, size)
         return 1
 

@@ -38,6 +38,15 @@ def scatter(src: Buffer | np.ndarray, pieces: Sequence[Buffer]) -> None:
         offset = end
 
 
+def gather(pieces: Sequence[memoryview], dst: memoryview) -> None:
+    """Copy the 1-D byte views ``pieces`` back to back into ``dst`` (which holds at least their sum)."""
+    offset = 0
+    for piece in pieces:
+        end = offset + piece.nbytes
+        dst[offset:end] = piece
+        offset = end
+
+
 class CacheIO:
     """Per-layer uint8 views of the caches, plus staging for device caches."""
 
