@@ -31,6 +31,8 @@ import torch
 import xxhash
 
 from kvdi.bench.storage import _objects, _remove_objects, _Setup, evict_from_page_cache
+from kvdi.connectors import cpu_offload
+from kvdi.connectors.store import blockio
 
 KINDS = {
     "open": [(os, "open")],
@@ -44,7 +46,7 @@ KINDS = {
     "readahead hint": [(os, "posix_fadvise")],
     "checksum": [(xxhash, "xxh3_64_intdigest"), (xxhash, "xxh3_64")],
     "MAC": [(hmac, "new")],
-    "copy": [(np, "copyto"), (torch.Tensor, "copy_")],
+    "copy": [(np, "copyto"), (torch.Tensor, "copy_"), (blockio, "scatter"), (cpu_offload, "gather")],
 }
 
 

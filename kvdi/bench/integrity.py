@@ -42,9 +42,9 @@ def _median_seconds(fns: list[Callable[[], None]], repeats: int) -> list[float]:
 
 
 def _row(metric: str, nbytes: int, keyed_s: float, plain_s: float, note: str) -> BenchResult:
-    keyed, plain = nbytes / keyed_s / 1e9, nbytes / plain_s / 1e9
-    return BenchResult("integrity", metric, "GB/s", round(keyed, 3), round(plain, 3), "unkeyed xxh3 checksum",
-                       round(keyed / plain, 3), None, note)  # fmt: skip
+    keyed, plain = round(nbytes / keyed_s / 1e9, 3), round(nbytes / plain_s / 1e9, 3)
+    ratio = round(keyed / plain, 3) if plain else 0.0  # of the figures shown, so the row reads consistently
+    return BenchResult("integrity", metric, "GB/s", keyed, plain, "unkeyed xxh3 checksum", ratio, None, note)
 
 
 def bench_frames(num_blocks: int, repeats: int) -> list[BenchResult]:

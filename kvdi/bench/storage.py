@@ -306,15 +306,30 @@ def bench_shared_storage(num_blocks: int, repeats: int, tmp: Path) -> list[Bench
 
         return run
 
+    files_root = tmp / "files"
+    blocks = [[memoryview(bytes(HEADER_SIZE)), *(v[b * len(v) // num_blocks : (b + 1) * len(v) // num_blocks]
+                                                 for v in views)] for b in range(num_blocks)]  # fmt: skip
+
+    def raw_write_files() -> None:
+        """Each block (a header's worth of bytes, then its layers) into a new file of its own: the layout's floor."""
+        for b, pieces in enumerate(blocks):
+            fd = os.open(files_root / str(b), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.writev(fd, pieces)
+            finally:
+                os.close(fd)
+
     threads = torch.get_num_threads()
     try:
         store_dir = tmp / "kvdi"
+        s.save()
         clear_example = partial(_empty_dir, example_root)
         fns: list[Timed] = [
             (partial(_remove_objects, store_dir), s.save),
             (partial(raw_path.unlink, missing_ok=True), raw_save),
+            (partial(_empty_dir, files_root), raw_write_files),
         ]
-        loads: list[Timed] = [s.load, raw_load]
+        loads: list[Timed] = [s.load, raw_load, raw_read_files(_objects(store_dir))]
         if has_safetensors:
             fns += [(clear_example, _on_threads(1, example_save)), (clear_example, _on_threads(threads, example_save))]
             loads += [_on_threads(1, example_load), _on_threads(threads, example_load)]
@@ -323,6 +338,7 @@ def bench_shared_storage(num_blocks: int, repeats: int, tmp: Path) -> list[Bench
         note = NOTE.format(cache="warm", r=repeats, n=num_blocks)
         baselines = [
             ("raw sequential file write", "raw sequential file read", 0.75, 0.85),
+            ("raw writes, one new file per block", "raw reads of the same files", None, None),
             ("vLLM example layout, torch on 1 thread",) * 2 + (None, None),
             (f"vLLM example layout, torch on {threads} threads",) * 2 + (None, None),
         ]

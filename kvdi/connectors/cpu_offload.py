@@ -14,13 +14,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.store.blockio import scatter
+from kvdi.connectors.store.blockio import gather, scatter
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer
 from kvdi.connectors.store.integrity import frame_key
 from kvdi.errors import ConfigError
@@ -98,10 +98,26 @@ class HostPoolStore:
                     continue
                 slot, size = entry
                 if size == sum(p.nbytes for p in pieces):
-                    scatter(pool[slot], pieces)
+                    scatter(pool[slot].data, pieces)
                 out.append(size)  # at most one slot: an object never outgrows the frame it was stored as
             self._touch([k for k, _ in items])
             return out
+
+    def visit_many(self, keys: Sequence[bytes], visit: Callable[[int, memoryview], None]) -> list[bool]:
+        """Lend each object's slot to ``visit`` under the lock (see ``ViewStore``): the worker half verifies the
+        frame there and copies its payload out while it is in the CPU cache, one pass over memory."""
+        with self._lock:
+            pool = self._pool
+            present: list[bool] = []
+            for i, key in enumerate(keys):
+                entry = self._lru.get(key)
+                if entry is None or pool is None:
+                    present.append(False)
+                    continue
+                visit(i, pool[entry[0], : entry[1]].data)  # at most one slot: never more than a frame
+                present.append(True)
+            self._touch(keys)
+            return present
 
     def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
         """Copy each object into a slot, evicting LRU objects; returns how many were stored.
@@ -126,17 +142,14 @@ class HostPoolStore:
         return stored
 
     def _put(self, key: bytes, pieces: Sequence[Buffer]) -> int:
-        views = [np.frombuffer(p, dtype=np.uint8) for p in pieces]
-        size = sum(v.size for v in views)
+        views = [p if isinstance(p, memoryview) and p.format == "B" else memoryview(p).cast("B") for p in pieces]
+        size = sum(map(len, views))  # 1-D byte views: len is nbytes
         if size > self.slot_bytes:
             return 0
         pool = self._slots()
         entry = self._lru.pop(key, None)
         slot = entry[0] if entry is not None else self._take_slot()
-        row, offset = pool[slot], 0
-        for v in views:
-            np.copyto(row[offset : offset + v.size], v)
-            offset += v.size
+        gather(views, pool[slot].data)
         self._lru[key] = (slot, size)
         return 1
 

@@ -1,11 +1,12 @@
 """The ``shared_storage`` backend: framed KV objects in a local directory (the embedded default).
 
 Each object is one file named by its key in hex, under a two-character fan-out directory
-(``<root>/ab/ab12...``); names are derived from hashes only. Writers write a temporary file
-(random name, ``O_EXCL``) in the same directory and publish it with ``os.replace``, so readers
-(other threads, other processes, other engines sharing the directory) see a whole object or
-none, and concurrent writers of one key are safe (the last rename wins; both wrote the same
-bytes). Nothing is indexed in memory only, so the store survives restarts.
+(``<root>/ab/ab12...``); names are derived from hashes only. Writers write an anonymous file
+(``O_TMPFILE``) in the same directory and publish it with ``link`` (or, where the file system
+lacks ``O_TMPFILE``, a temporary file with a random name, ``O_EXCL``, published with
+``os.replace``), so readers (other threads, other processes, other engines sharing the
+directory) see a whole object or none, and concurrent writers of one key are safe (the last
+rename wins; both wrote the same bytes). Nothing is indexed in memory only, so the store survives restarts.
 
 The store directory is hostile input. The root and the fan-out folders are opened once with
 ``O_DIRECTORY | O_NOFOLLOW`` and every file operation is relative to those descriptors, so no
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.store.fileio import list_entries, readv_full, writev_full
+from kvdi.connectors.store.fileio import link_fd, list_entries, readv_full, writev_full
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer
 from kvdi.connectors.store.integrity import frame_key
 from kvdi.connectors.store.safe_dir import SafeDir, vet_root
@@ -58,6 +59,9 @@ DEFAULT_MODE = 0o600
 # O_NONBLOCK: a FIFO squatting on the name must not hang the engine (no-op for files).
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_TMPFILE (Linux): an anonymous file in the folder, linked into place once written.
+_ANON_FLAGS = os.O_WRONLY | getattr(os, "O_TMPFILE", 0) | os.O_CLOEXEC
+_NO_TMPFILE = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOSYS)
 _ABSENT = (errno.ENOENT, errno.ENOTDIR)
 _NOT_A_FILE = (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EOPNOTSUPP, errno.ENODEV)
 _BACKEND_ERRORS = (OSError, ValueError, OverflowError, MemoryError)
@@ -93,6 +97,7 @@ class FileBlockStore:
         self._logged: set[str] = set()
         self._approx_bytes = 0
         self.evicted_keys: deque[bytes] | None = None  # set by the vLLM adapter for KV cache events
+        self._anonymous = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
         if max_bytes:
             with contextlib.suppress(OSError):
                 self._approx_bytes = self.scan()[1]
@@ -177,9 +182,8 @@ class FileBlockStore:
     def prefetch(self, keys: Sequence[bytes]) -> bool:
         """Ask the kernel to read ``keys``' files ahead (``POSIX_FADV_WILLNEED``), so several are in flight.
 
-        Probes the first object with a non-blocking read of its last byte (``RWF_NOWAIT``): when it is
-        in the page cache the objects are taken as warm and nothing else is done (returns False).
-        Never raises; odd entries are skipped (the read drops them).
+        A non-blocking read of the first object's last byte (``RWF_NOWAIT``) probes the page cache:
+        when it is there, the objects are taken as warm and nothing is done (False). Never raises.
         """
         if not keys or self.object_bytes is None or not hasattr(os, "RWF_NOWAIT"):
             return False
@@ -245,27 +249,46 @@ class FileBlockStore:
 
     def _put(self, key: bytes, pieces: Sequence[Buffer], stamp: int) -> int:
         name = key.hex()
-        tmp = f".{name}.{secrets.token_hex(8)}.tmp"
-        sub = self._dirs.sub(name[:2], create=True)
         try:
-            fd = os.open(tmp, _TEMP_FLAGS, self.mode, dir_fd=sub)
+            return self._write(self._dirs.sub(name[:2], create=True), name, pieces, stamp)
         except FileNotFoundError:  # the store was removed under us (e.g. rm -rf to clear it): reopen, once
             self._dirs.reset()
-            sub = self._dirs.sub(name[:2], create=True)
-            fd = os.open(tmp, _TEMP_FLAGS, self.mode, dir_fd=sub)
+            return self._write(self._dirs.sub(name[:2], create=True), name, pieces, stamp)
+
+    def _write(self, sub: int, name: str, pieces: Sequence[Buffer], stamp: int) -> int:
+        fd, tmp = self._create(sub, name)
         try:
             try:
                 size = writev_full(fd, pieces)
                 if self.max_bytes:
                     os.utime(fd, ns=(stamp, stamp))
+                if tmp is None:  # an anonymous file: give it its name (or a temp name, then rename over)
+                    tmp = link_fd(fd, sub, name)
             finally:
                 os.close(fd)
-            os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
+            if tmp is not None:
+                os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=sub)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=sub)
             raise
         return size
+
+    def _create(self, sub: int, name: str) -> tuple[int, str | None]:
+        """A new file for ``name``: anonymous (``O_TMPFILE``: no temp name, no rename, gone if the writer dies)
+        where the file system can, else a named temp file (``O_EXCL``), returned with its name."""
+        if self._anonymous:
+            try:
+                return os.open(".", _ANON_FLAGS, self.mode, dir_fd=sub), None
+            except OSError as exc:
+                if os.fstat(sub).st_nlink == 0:  # the folder was removed (Linux answers EPERM here)
+                    raise FileNotFoundError(errno.ENOENT, "the store folder was removed") from exc
+                if exc.errno not in _NO_TMPFILE:
+                    raise
+                self._anonymous = False  # this file system cannot: named temp files from now on
+        tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+        return os.open(tmp, _TEMP_FLAGS, self.mode, dir_fd=sub), tmp
 
     def discard(self, key: bytes) -> None:
         """Remove whatever sits under ``key``'s name (a squatting folder too, without following links)."""

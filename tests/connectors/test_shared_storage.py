@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -308,3 +309,24 @@ def test_engine_recomputes_a_bad_block_and_generates_the_same(
     assert [o.output_token_ids for o in outputs] == expected
     assert [o.num_loaded_tokens for o in outputs] == [12, 20]
     assert engine.connector_stats().total.corrupt_dropped == 1
+
+
+# -- publishing: anonymous files linked into place, named temp files where the file system lacks O_TMPFILE --
+
+
+@pytest.mark.parametrize("anonymous", [True, False])
+def test_writes_publish_whole_objects_and_leave_no_temp_files(root: Path, anonymous: bool) -> None:
+    store = FileBlockStore(root, object_bytes=HEADER_SIZE + LAYOUT.block_bytes)
+    store._anonymous = anonymous and store._anonymous  # False: the O_EXCL temp-file-and-rename path
+    try:
+        for version in (b"\x01", b"\x02"):  # the second write replaces every object
+            payload = version * LAYOUT.block_bytes
+            header = frame_header(LAYOUT.fingerprint(), payload)
+            assert store.put_many([(k, [header, payload]) for k in KEYS]) == 4
+        entries = [p for p in root.rglob("*") if p.is_file()]
+        assert len(entries) == 4 and not [p for p in entries if p.name.startswith(".")]
+        assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in entries)
+        assert all(bytes(o or b"")[-1:] == b"\x02" for o in store.get_many(KEYS))
+        assert consume(store)[1:] == (16, set())
+    finally:
+        store.close()

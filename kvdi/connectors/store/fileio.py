@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 from collections.abc import Sequence
 
 from kvdi.connectors.store.framing import Buffer
@@ -60,4 +61,20 @@ def writev_full(fd: int, pieces: Sequence[Buffer]) -> int:
     return done
 
 
-__all__ = ["advance", "list_entries", "readv_full", "writev_full"]
+def link_fd(fd: int, dir_fd: int, name: str) -> str | None:
+    """Publish the anonymous file ``fd`` (``O_TMPFILE``) as ``name`` in ``dir_fd``, atomically (whole or absent).
+
+    ``link`` never replaces: when ``name`` exists the file is linked under a temp name instead, which
+    is returned for the caller to rename over ``name`` (and remove on failure); None otherwise.
+    """
+    proc = f"/proc/self/fd/{fd}"  # our own descriptor: the only link followed, and not under a store root
+    try:
+        os.link(proc, name, dst_dir_fd=dir_fd, follow_symlinks=True)
+        return None
+    except FileExistsError:
+        tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+        os.link(proc, tmp, dst_dir_fd=dir_fd, follow_symlinks=True)
+        return tmp
+
+
+__all__ = ["advance", "link_fd", "list_entries", "readv_full", "writev_full"]

@@ -16,6 +16,9 @@ capability                  what it is for                                      
                             vLLM adapter sizes its key index with it)
 ``check()``                 a one-line health summary; raises OSError when the store    none
                             cannot serve (``kvdi check``)
+``visit_many(keys, visit)``  lend each object's bytes to ``visit`` (no copy): the worker  get_into_many
+                            verifies and copies them while they are in the CPU cache
+                            (:class:`ViewStore`)
 ``prefetch(keys) -> bool``  start reading objects ahead of the loads (several objects   none
                             in flight on a cold medium); True while that pays
                             (:class:`PrefetchStore`)
@@ -95,6 +98,19 @@ class CheckedStore(Protocol):
 
 
 @runtime_checkable
+class ViewStore(Protocol):
+    """Optional capability: lend objects' bytes in place (memory stores), so that a load reads them once."""
+
+    def visit_many(self, keys: Sequence[bytes], visit: Callable[[int, memoryview], None]) -> list[bool]:
+        """Call ``visit(i, frame)`` for each present ``keys[i]`` (a view valid during the call); which were present.
+
+        The store must keep the bytes from changing during ``visit`` (e.g. hold its lock) and
+        must pass at most one frame of bytes. ``visit`` never raises.
+        """
+        ...
+
+
+@runtime_checkable
 class PrefetchStore(Protocol):
     """Optional capability: read objects ahead, so that a cold medium has several reads in flight."""
 
@@ -116,6 +132,7 @@ class StoreCapabilities:
     num_slots: int | None
     check: Callable[[], str] | None
     prefetch: Callable[[Sequence[bytes]], bool] | None = None
+    visit: bool = False
 
     @classmethod
     def of(cls, store: object) -> StoreCapabilities:
@@ -127,6 +144,7 @@ class StoreCapabilities:
             num_slots=slots if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0 else None,
             check=store.check if isinstance(store, CheckedStore) else None,
             prefetch=store.prefetch if isinstance(store, PrefetchStore) else None,
+            visit=isinstance(store, ViewStore),
         )
 
 
@@ -167,6 +185,7 @@ __all__ = [
     "PrefetchStore",
     "ReadIntoStore",
     "StoreCapabilities",
+    "ViewStore",
     "prefers_async_load",
     "require_store",
     "written_count",

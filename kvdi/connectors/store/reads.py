@@ -1,8 +1,12 @@
 """Reading and verifying one chunk of stored blocks into the paged cache (used by the store worker half).
 
-:func:`read_chunk` makes one store call for a chunk (read straight into the cache when the
-store can); :func:`verify_chunk` checks each object's frame and places it, stopping at the
-first bad one, which is counted and dropped.
+:func:`read_chunk` makes one store call for a chunk, in the cheapest way the store offers:
+a store that can lend its bytes (``visit_many``, e.g. cpu_offload's pool) has each frame
+verified in place and copied into the cache while it is still in the CPU cache (one pass over
+memory, like a plain copy); a store that reads into caller buffers (``get_into_many``) reads
+straight into the cache, verified after; any other store returns bytes that are verified and
+copied. :func:`verify_chunk` then counts and places each block, stopping at the first bad one,
+which is counted and dropped.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import TYPE_CHECKING, cast
 
 from kvdi.connectors.base import ConnectorStats
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer, CorruptObjectError, FrameKey, unframe, verify_pieces
-from kvdi.connectors.store.protocol import BlockStore, ReadIntoStore
+from kvdi.connectors.store.protocol import BlockStore, ReadIntoStore, StoreCapabilities, ViewStore
 
 if TYPE_CHECKING:
     from kvdi.connectors.store.blockio import CacheIO
@@ -21,7 +25,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class ReadChunk:
-    """Blocks of one store call, read but not yet verified."""
+    """Blocks of one store call, read but not yet verified (``visited``: verified and placed in the store call)."""
 
     ids: Sequence[int]
     keys: Sequence[bytes]
@@ -29,13 +33,39 @@ class ReadChunk:
     headers: list[bytearray]
     sizes: list[int | None]
     objects: list[Buffer | None]
+    visited: list[BaseException | None] | None = None
 
 
-def read_chunk(store: BlockStore, read_into: bool, io: CacheIO, ids: Sequence[int], keys: Sequence[bytes]) -> ReadChunk:
-    """One store call for ``keys``; raises whatever the store raises, or TypeError on a reply of the wrong shape."""
+def read_chunk(
+    store: BlockStore,
+    caps: StoreCapabilities,
+    check: Callable[[memoryview, bytes], memoryview],
+    io: CacheIO,
+    ids: Sequence[int],
+    keys: Sequence[bytes],
+) -> ReadChunk:
+    """One store call for ``keys``; raises whatever the store raises, or TypeError on a reply of the wrong shape.
+
+    ``check(frame, key)`` verifies a whole frame stored under ``key`` and returns its payload (raising
+    CorruptObjectError).
+    """
     pieces = [io.load_pieces(i, bid) for i, bid in enumerate(ids)]
+    if caps.visit and io.direct:
+        outcome: list[BaseException | None] = [None] * len(ids)
+
+        def place(i: int, frame: memoryview) -> None:
+            try:
+                io.copy_payload(check(frame, keys[i]), pieces[i])
+            except Exception as exc:  # recorded, never raised into the store
+                outcome[i] = exc
+
+        present = cast(ViewStore, store).visit_many(keys, place)
+        if not isinstance(present, list) or len(present) != len(keys):
+            raise TypeError(f"visit_many returned {type(present).__name__} for {len(keys)} keys")
+        sizes: list[int | None] = [1 if p is True else None for p in present]  # present (its size was checked)
+        return ReadChunk(ids, keys, pieces, [], sizes, [None] * len(ids), outcome)
     headers = [bytearray(HEADER_SIZE) for _ in ids]
-    if read_into and io.direct:
+    if caps.read_into and io.direct:
         targets = [(k, [memoryview(h), *p]) for k, h, p in zip(keys, headers, pieces, strict=True)]
         sizes = cast(ReadIntoStore, store).get_into_many(targets)
         objects: list[Buffer | None] = [None] * len(ids)
@@ -72,7 +102,11 @@ def verify_chunk(
                 stats.load_failures += 1
                 log_once("missing", "a stored block vanished before it was loaded (evicted?), recomputing")
                 return i
-            if obj is None:  # read straight into the cache
+            if chunk.visited is not None:  # verified and placed inside the store call
+                failed = chunk.visited[i]
+                if failed is not None:
+                    raise failed
+            elif obj is None:  # read straight into the cache
                 if size != frame_bytes:
                     raise CorruptObjectError("length", f"object of {size} B, expected {frame_bytes} B")
                 verify_pieces(chunk.headers[i], chunk.pieces[i], fingerprint, block_bytes, mac_key, name=key)

@@ -33,7 +33,7 @@ from kvdi.connectors.base import (
     WorkerConnector,
 )
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.store.framing import HEADER_SIZE, Buffer, frame_header
+from kvdi.connectors.store.framing import HEADER_SIZE, Buffer, frame_header, unframe
 from kvdi.connectors.store.integrity import frame_key
 from kvdi.connectors.store.protocol import StoreCapabilities, require_store, written_count
 from kvdi.connectors.store.reads import ReadChunk, read_chunk, verify_chunk
@@ -64,7 +64,6 @@ class StoreWorkerConnector(WorkerConnector):
         super().__init__(context)
         self.store = require_store(context)
         self.capabilities = StoreCapabilities.of(self.store)  # protocol checks are slow: once, here
-        self._read_into = self.capabilities.read_into
         layout = context.layout
         transfer = context.settings.transfer
         self.io_thread: bool | None = _IO_THREAD[transfer.io_thread]
@@ -79,6 +78,7 @@ class StoreWorkerConnector(WorkerConnector):
         self._tensors: list[torch.Tensor] = []
         self._staging: list[CacheIO] = []  # free host staging for background jobs on a device cache
         self._executor: ThreadPoolExecutor | None = None
+        self._cpus: int | None = None
         self._queue = TransferQueue(self.name, transfer.max_inflight_bytes)
         self._async_save = transfer.async_save
         self._held: set[str] = set()  # requests with asynchronous transfers: reported when finished and done
@@ -110,9 +110,13 @@ class StoreWorkerConnector(WorkerConnector):
 
     def _background(self, io: CacheIO) -> ThreadPoolExecutor | None:
         """The I/O thread of synchronous transfers; None for device caches (staging rows are reused)."""
-        from kvdi.connectors.store.blockio import usable_cpus
+        use = self.io_thread
+        if use is None:
+            if self._cpus is None:
+                from kvdi.connectors.store.blockio import usable_cpus
 
-        use = self.io_thread if self.io_thread is not None else usable_cpus() >= 4
+                self._cpus = usable_cpus()  # once: sched_getaffinity per request is measurable
+            use = self._cpus >= 4
         if not io.direct or not use:
             return None
         if self._executor is None:
@@ -219,7 +223,7 @@ class StoreWorkerConnector(WorkerConnector):
         """Load one request's blocks chunk by chunk; return the block ids not loaded (from the first bad one on)."""
         ids, keys = transfer.block_ids, transfer.block_keys
         spans = [(s, min(s + self._chunk, len(ids))) for s in range(0, len(ids), self._chunk)]
-        read = partial(read_chunk, self.store, self._read_into, io)
+        read = partial(read_chunk, self.store, self.capabilities, self._unframe, io)
         readahead = _Readahead(self.capabilities.prefetch, keys, self._readahead)
         ahead = executor.submit(read, ids[: spans[0][1]], keys[: spans[0][1]]) if executor and spans else None
         for k, (start, end) in enumerate(spans):
@@ -247,7 +251,7 @@ class StoreWorkerConnector(WorkerConnector):
         """Read a failed chunk's objects singly; return how many leading ones are in place."""
         for i, (bid, key) in enumerate(zip(ids, keys, strict=True)):
             try:
-                chunk = read_chunk(self.store, self._read_into, io, (bid,), (key,))
+                chunk = read_chunk(self.store, self.capabilities, self._unframe, io, (bid,), (key,))
             except OSError as exc:  # the medium failed (server gone, disk error): a load failure
                 stats.load_failures += 1
                 self._log_once(f"oserror:{type(exc).__name__}", "loading KV failed, recomputing: %s", exc)
@@ -262,6 +266,10 @@ class StoreWorkerConnector(WorkerConnector):
             if not good:
                 return i
         return len(ids)
+
+    def _unframe(self, frame: memoryview, name: bytes) -> memoryview:
+        """The verified payload of a whole frame stored under block key ``name`` (CorruptObjectError otherwise)."""
+        return unframe(frame, self._fingerprint, self._block_bytes, self._key, name=name)
 
     def _verify(self, io: CacheIO, chunk: ReadChunk, stats: ConnectorStats) -> int:
         return verify_chunk(
