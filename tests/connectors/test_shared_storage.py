@@ -321,8 +321,8 @@ def test_writes_publish_whole_objects_and_leave_no_temp_files(root: Path, anonym
     try:
         for version in (b"\x01", b"\x02"):  # the second write replaces every object
             payload = version * LAYOUT.block_bytes
-            header = frame_header(LAYOUT.fingerprint(), payload)
-            assert store.put_many([(k, [header, payload]) for k in KEYS]) == 4
+            items = [(k, [frame_header(LAYOUT.fingerprint(), payload, name=k), payload]) for k in KEYS]
+            assert store.put_many(items) == 4
         entries = [p for p in root.rglob("*") if p.is_file()]
         assert len(entries) == 4 and not [p for p in entries if p.name.startswith(".")]
         assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in entries)
