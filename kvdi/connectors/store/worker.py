@@ -1,16 +1,15 @@
 """The worker half of the store connectors: moves blocks between the paged cache and framed objects.
 
-Every object it loads is verified; anything odd (a bad frame, a vanished object, any
-exception a store call raises) is a counted miss, never an exception: the blocks before
-it stay loaded, the rest are reported through ``get_block_ids_with_load_errors``.
+Every object it loads is verified; anything odd (a bad frame, a vanished object, any exception a store
+call raises) is a counted miss, never an exception: the blocks before it stay loaded, the rest are
+reported through ``get_block_ids_with_load_errors``.
 
-Asynchronous transfers (``transfer.async_save``, ``transfer.async_load``, see
-:mod:`kvdi.connectors.store.scheduler`) run on a :class:`TransferQueue`. The invariant: no
-block's bytes are read or written after the engine may have reused the block. A CPU cache
-is read in place by the background writer, so a request with asynchronous transfers keeps
-its blocks (the scheduler half answered ``delay_free``) until this half reports it as
-finished sending in :meth:`get_finished`, after its last job; :meth:`handle_preemptions`
-flushes the jobs of requests whose blocks the engine takes back at once. A device cache
+Asynchronous transfers (``transfer.async_save``, ``transfer.async_load``, see :mod:`kvdi.connectors.store.scheduler`)
+run on a :class:`TransferQueue`. The invariant: no block's bytes are read or written after the engine may have
+reused the block. A CPU cache is read in place by the background writer, so a request with asynchronous transfers
+keeps its blocks (the scheduler half answered ``delay_free``) until this half reports it as finished sending in
+:meth:`get_finished`, after its last job; :meth:`handle_preemptions` flushes the jobs of requests whose blocks the
+engine takes back at once. A device cache
 is copied out to host staging on the engine thread (pinned; background loads copy in on a side stream
 that waits for the compute queued when the load was handed over: :mod:`kvdi.connectors.streams`).
 """
@@ -85,9 +84,8 @@ class StoreWorkerConnector(WorkerConnector):
         self._finishing: set[str] = set()
         self._received: set[str] = set()
         self._logged: set[str] = set()
+        # When set (the vLLM adapter's KV cache events): (True, key) per landed save, (False, key) per corrupt drop.
         self.block_events: deque[tuple[bool, bytes]] | None = None
-        """When set (the vLLM adapter, for KV cache events): ``(True, key)`` per block whose save landed,
-        ``(False, key)`` per block dropped as corrupt."""
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         from kvdi.connectors.store.blockio import CacheIO
@@ -99,8 +97,7 @@ class StoreWorkerConnector(WorkerConnector):
         self._tensors = tensors
 
     @property
-    def inflight_bytes(self) -> int:
-        """Bytes of queued asynchronous saves (a gauge for the vLLM adapter's metrics)."""
+    def inflight_bytes(self) -> int:  # queued asynchronous saves: a gauge for the vLLM adapter's metrics
         return self._queue.inflight_bytes
 
     def _cache(self) -> CacheIO:
@@ -124,9 +121,8 @@ class StoreWorkerConnector(WorkerConnector):
         return self._executor
 
     def _log_once(self, reason: str, message: str, *args: object) -> None:
-        log_once(
-            logger, self._logged, reason, "kv connector %r: " + message + " (logged once per reason)", self.name, *args
-        )
+        text = "kv connector %r: " + message + " (logged once per reason)"
+        log_once(logger, self._logged, reason, text, self.name, *args)
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         """Note the requests whose blocks the scheduler half holds for this half, by the rule it holds them by:
