@@ -50,6 +50,22 @@ def test_a_misspelt_kvdi_key_in_dotenv_is_still_refused_with_a_suggestion(shared
     assert "hf_token" not in text.lower() and "database" not in text.lower()
 
 
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        ("KVDI_REDIS__URL__HOST=x", "redis.url (.env: KVDI_REDIS__URL__HOST="),
+        ("KVDI_TRANSFER__ASYNC_LOAD__X=1", "transfer.async_load (.env: KVDI_TRANSFER__ASYNC_LOAD__X="),
+        ("KVDI_REDIS=x", ".env: KVDI_REDIS is not valid JSON"),
+    ],
+)
+def test_a_nesting_error_in_dotenv_names_the_variable_the_user_set(shared_dotenv: Path, line: str, named: str) -> None:
+    """A key nested below a plain setting, or a section given a plain value, is blamed on the .env line as written."""
+    (shared_dotenv / ".env").write_text(OTHER_TOOLS + line + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings()
+    assert named in str(err.value)
+
+
 def test_env_only_variables_in_dotenv_are_ignored(shared_dotenv: Path) -> None:
     """KVDI_SETTINGS_FILE and KVDI_KV_TRANSFER_CONFIG are process-environment variables; a .env copy is ignored."""
     (shared_dotenv / ".env").write_text(

@@ -17,7 +17,7 @@ from pydantic_settings import DotEnvSettingsSource, EnvSettingsSource, InitSetti
 from kvdi.errors import ConfigError
 from kvdi.settings.diagnostics import Loc, check_env_keys, describe_validation_error, env_var_for
 from kvdi.settings.paths import MAX_NESTING, flatten
-from kvdi.settings.root import ENV_PREFIX, SETTINGS_FILE_ENV, KvdiSettings, named_sources
+from kvdi.settings.root import ENV_PREFIX, SETTINGS_FILE_ENV, KvdiDotEnvSource, KvdiSettings, named_sources
 from kvdi.settings.vllm_compat import TRANSFER_CONFIG_ENV, VLLM_KEYS, VLLM_USE_V1_ENV, is_adapter_config
 
 _SHOWN_AS = {"vllm": "env"}
@@ -88,7 +88,7 @@ def _blamer(overrides: dict[str, Any]) -> Callable[[Loc], str]:
         if name == "file":
             return f"{SETTINGS_FILE_ENV}={os.environ.get(SETTINGS_FILE_ENV, '')!r} key {dotted}"
         if name == "dotenv":
-            return f".env: {env_var_for(loc)}"
+            return f".env: {_dotenv_var_set_for(loc)}"
         if name == "env":
             return _env_var_set_for(loc)
         return env_var_for(loc)
@@ -117,12 +117,33 @@ def _env_var_set_for(loc: Loc) -> str:
     return env_var_for(loc)
 
 
+def _dotenv_var_set_for(loc: Loc) -> str:
+    """The ``.env`` variable really set for ``loc``: the field's own, one nested below it
+    (``KVDI_REDIS__URL__HOST`` for ``redis.url``), or a section's JSON (``KVDI_REDIS key url``)."""
+    own = env_var_for(loc)
+    try:
+        keys = {key.upper() for key in KvdiDotEnvSource(KvdiSettings)._load_env_vars()}
+    except Exception:  # the .env is unreadable: name the field's own variable
+        return own
+    if own in keys:
+        return own
+    below = sorted(key for key in keys if key.startswith(own + "__"))
+    if below:
+        return ", ".join(below[:3]) + (f" and {len(below) - 3} more" if len(below) > 3 else "")
+    for cut in range(len(loc) - 1, 0, -1):
+        var = env_var_for(loc[:cut])
+        if var in keys:
+            return f"{var} key {'.'.join(str(p) for p in loc[cut:])}"
+    return own
+
+
 def _describe_source_error(exc: ValueError) -> str:
     match = _FIELD_FROM_SOURCE.search(str(exc))
     if match is None:
         return f"cannot read settings: {type(exc).__name__}"
     field, source = match.groups()
-    where = {"EnvSettingsSource": env_var_for((field,)), "DotEnvSettingsSource": f".env: {env_var_for((field,))}"}
+    dotenv = f".env: {env_var_for((field,))}"
+    where = {"EnvSettingsSource": env_var_for((field,)), "DotEnvSettingsSource": dotenv, "KvdiDotEnvSource": dotenv}
     return f"{where.get(source, field)} is not valid JSON; expected a JSON value for setting {field!r}"
 
 
