@@ -13,12 +13,14 @@ the result gains ``probes``:
 
 Spec keys: ``pending_frees`` (default true): false makes the connector answer
 ``has_pending_block_frees()`` with False, as a connector without the hook would, to compare;
-``max_tokens_each``: per-prompt ``max_tokens`` (cycled), so requests end at different steps.
+``max_tokens_each``: per-prompt ``max_tokens`` (cycled), so requests end at different steps;
+``settle_s``: seconds to sleep after each round, so slow background saves land before the drain.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 
@@ -66,6 +68,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 ]
             out = super().generate(prompts, params, **kwargs)
             probes["pending_push_work_after_generate"].append(held[0].connector.has_pending_push_work())
+            time.sleep(spec.get("settle_s", 0))  # let slow background saves land before the drain's bounded steps
             return out
 
     vllm.LLM = ProbedLLM  # engine_run imports LLM from vllm inside run()

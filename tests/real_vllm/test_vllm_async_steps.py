@@ -66,7 +66,7 @@ def tiny_cache(
             kv_connector_module_path="slow_store",  # tests/real_vllm/slow_store.py, as a user plugs in a store
         )
         spec = {**base_spec, "kv": kv, "num_gpu_blocks": 12, "max_model_len": 256, "drain": True}
-        spec.update(max_tokens_each=[40, 40, 8, 40], pending_frees=pending_frees)
+        spec.update(max_tokens_each=[40, 40, 8, 40], pending_frees=pending_frees, settle_s=6.0)
         runs[pending_frees] = (run_engine(work, "tiny", spec, env=IN_PROCESS, script=PROBE), work)
     return runs
 
@@ -83,10 +83,7 @@ def test_a_full_cache_waits_for_kvdis_held_blocks_instead_of_preempting(
     )
     for result in (with_hook, without):
         assert [t[:8] for t in result["rounds"][0]["tokens"]] == baseline_tokens
-    assert_drained(with_hook)
-    # Without the hook (vLLM preempts) the drain sometimes ends with a request kvdi still holds: a separate
-    # defect of preemption under slow asynchronous saves, reported, not asserted here.
-    print(f"drain without the hook: {without['drain']}")
+        assert_drained(result)
     assert with_hook["probes"]["pending_frees_true"] >= 1  # vLLM waited for held blocks
     assert preempted["with"] < preempted["without"]
     assert read_stats(work / "stats", "worker")["saved_blocks"] == expected_saved(prompts)
