@@ -47,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, choices=range(1, 21), metavar="1..20")
     parser.add_argument("--prompts", type=int, default=8, choices=range(1, 65), metavar="1..64")
+    parser.add_argument("--wait-ms", type=float, default=DEFAULT_MS, help="the setting compared with 0 (0..1000)")
     args = parser.parse_args(argv)
+    if not 0 < args.wait_ms <= 1000:
+        parser.error(f"--wait-ms={args.wait_ms}: must be > 0 and at most 1000")
+    wait_ms = args.wait_ms
     with tempfile.TemporaryDirectory(prefix="kvdi-idle-wait-") as tmp:
         work = Path(tmp)
         model = make_tiny_llama(work / "model")
@@ -56,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         store = work / "store"
         producer = kv_config("shared_storage", shared_storage__path=str(store))
         run_engine(work, "store", {**base, "kv": producer}, IN_PROCESS)
-        results: dict[float, dict[str, list[float]]] = {0.0: {"s": [], "steps": []}, DEFAULT_MS: {"s": [], "steps": []}}
+        results: dict[float, dict[str, list[float]]] = {0.0: {"s": [], "steps": []}, wait_ms: {"s": [], "steps": []}}
         for rep in range(args.repeats):
-            for ms in (0.0, DEFAULT_MS) if rep % 2 == 0 else (DEFAULT_MS, 0.0):
+            for ms in (0.0, wait_ms) if rep % 2 == 0 else (wait_ms, 0.0):
                 stats = work / f"stats-{ms}-{rep}"
                 kv = kv_config("shared_storage", stats_dir=stats, shared_storage__path=str(store))
                 extra = kv["kv_connector_extra_config"]
@@ -68,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[ms]["steps"].append(steps_median(read_stats(stats, "worker")))
         for ms, r in results.items():
             print(f"idle_load_wait_ms={ms:g}: loading round s {spread(r['s'])}; steps per load {spread(r['steps'])}")
-        ratio = statistics.median(results[DEFAULT_MS]["s"]) / statistics.median(results[0.0]["s"])
-        print(f"loading round, default / off: {ratio:.2f}x")
+        ratio = statistics.median(results[wait_ms]["s"]) / statistics.median(results[0.0]["s"])
+        print(f"loading round, idle_load_wait_ms={wait_ms:g} / off: {ratio:.2f}x")
     return 0
 
 
