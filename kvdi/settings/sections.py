@@ -252,12 +252,16 @@ class TransferSettings(_Section):
     ``async_load``: load in the background while other requests run (auto: the store's
     ``prefers_async_load``, or a hit of 16 MiB or more). ``max_inflight_bytes`` bounds the
     bytes of queued saves; past it ``wait_for_save`` waits for the medium.
+    ``idle_load_wait_ms``: on an engine step that schedules nothing while asynchronous loads
+    are in flight, the worker waits up to this long (GIL released) for one to finish before
+    answering, instead of letting empty steps spin against the loader; 0 turns it off.
     """
 
     io_thread: Literal["auto", "on", "off"] = "off"
     async_save: bool = True
     async_load: Literal["auto", "on", "off"] = "auto"
     max_inflight_bytes: int = Field(256 << 20, gt=0)
+    idle_load_wait_ms: float = Field(10.0, ge=0, le=1000)
 
     @field_validator("max_inflight_bytes")
     @classmethod

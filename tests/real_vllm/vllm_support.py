@@ -97,8 +97,11 @@ def kv_config(connector: str, *, role: str = "kv_both", stats_dir: Path | None =
     }
 
 
-def run_engine(work: Path, name: str, spec: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``engine_run.py`` with ``spec`` in a fresh interpreter; return its result or raise with the log tail."""
+def run_engine(
+    work: Path, name: str, spec: dict[str, Any], env: dict[str, str] | None = None, script: Path = ENGINE_RUN
+) -> dict[str, Any]:
+    """Run ``script`` (``engine_run.py``) with ``spec`` in a fresh interpreter; return its result or raise with
+    the log tail."""
     work.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "out": str(work / f"{name}.out.json")}
     spec_path = work / f"{name}.spec.json"
@@ -108,7 +111,7 @@ def run_engine(work: Path, name: str, spec: dict[str, Any], env: dict[str, str] 
     child_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     with log_path.open("w") as log:
         proc = subprocess.run(
-            [sys.executable, str(ENGINE_RUN), str(spec_path)],
+            [sys.executable, str(script), str(spec_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=child_env,

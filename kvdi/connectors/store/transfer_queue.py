@@ -111,6 +111,20 @@ class TransferQueue:
         """True while a job of the request is queued, running, or finished but not collected."""
         return any(j.request_id == request_id for j in self._jobs)
 
+    @property
+    def loads_in_flight(self) -> int:
+        """Loads queued or running (finished ones, collected or not, no longer count)."""
+        return sum(1 for j in self._jobs if j.is_load and not j.future.done())
+
+    def wait_loads(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until some load has finished (collected or not); True when one has, or
+        when none was in flight. Waits on a condition variable, so the GIL is free for the loader meanwhile."""
+        loads = [j.future for j in self._jobs if j.is_load]
+        if not loads:
+            return True
+        done, _ = wait(loads, timeout=timeout_s, return_when=FIRST_COMPLETED)
+        return bool(done)
+
     def wait(self, request_ids: Collection[str] | None = None) -> None:
         """Block until every job (or every job of ``request_ids``) has finished; collects nothing."""
         futures = [j.future for j in self._jobs if request_ids is None or j.request_id in request_ids]

@@ -163,7 +163,8 @@ class StoreWorkerConnector(WorkerConnector):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished sending: finished requests whose asynchronous jobs are all done; finished receiving:
-        requests whose asynchronous load was collected by this step's ``start_load_kv``."""
+        requests whose asynchronous load has finished by now (reported in the step it finished in)."""
+        self._collect(self._queue.harvest(loads=True))
         self._collect(self._queue.harvest(loads=False))
         self._finishing.update(r for r in finished_req_ids if r in self._held)
         sending = {r for r in self._finishing if not self._queue.pending(r)}
@@ -171,6 +172,10 @@ class StoreWorkerConnector(WorkerConnector):
         self._held -= sending
         received, self._received = self._received, set()
         return sending or None, received or None
+
+    def wait_for_loads(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` (GIL released) until an asynchronous load finishes; True if one has."""
+        return self._queue.wait_loads(timeout_s)
 
     def handle_preemptions(self, preempted_req_ids: Collection[str] | None = None) -> None:
         """Finish the jobs of requests whose blocks the engine is about to reuse (vLLM's preemption hook).

@@ -14,11 +14,17 @@ it ends, so the adapter reconciles the two:
 - worker role (:class:`WorkerLoads`): for an ``unheld`` request the worker's later
   finished-sending report is dropped when it was already reported finished receiving, and
   becomes the finished-receiving report otherwise (its load was still running when it ended).
+
+The worker role also counts, per load, the engine steps it spanned: 1 when it was reported
+finished receiving in the step whose metadata started it (vLLM schedules it in the next
+step), 2 when one step later, and so on (``load_steps_*`` in :class:`AdapterStats`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from kvdi.integrations.vllm.stats import AdapterStats
 
 
 class SchedulerLoads:
@@ -68,14 +74,41 @@ class SchedulerLoads:
 class WorkerLoads:
     """Worker role: asynchronous loads in flight (block id -> key, for a block index) and the end reports."""
 
-    def __init__(self) -> None:
+    def __init__(self, counts: AdapterStats | None = None, idle_wait_s: float = 0.0) -> None:
+        self.counts = counts if counts is not None else AdapterStats()
+        self.idle_wait_s = idle_wait_s  # transfer.idle_load_wait_ms, in seconds (:func:`.pending.wait_for_loads`)
+        self.step = 0  # engine steps seen (one metadata bound per step)
+        self.idle = False  # this step schedules no tokens (vLLM only runs the connector hooks)
+        self._since: dict[str, int] = {}  # request -> step its load started in
         self.loading: dict[str, dict[int, bytes]] = {}
         self.loaded: dict[str, dict[int, bytes]] = {}  # reported this step: their load errors come next
         self._received: set[str] = set()  # reported finished receiving, not yet finished
         self._unheld: set[str] = set()
 
+    def next_step(self, idle: bool) -> None:
+        """A new engine step bound its metadata; ``idle`` when it schedules no tokens."""
+        self.step += 1
+        self.idle = idle
+
     def started(self, request_id: str, block_ids: Iterable[int], block_keys: Iterable[bytes]) -> None:
         self.loading[request_id] = dict(zip(block_ids, block_keys, strict=True))
+        self._since[request_id] = self.step
+
+    def _spanned(self, request_id: str) -> None:
+        since = self._since.pop(request_id, None)
+        if since is None:
+            return
+        steps = self.step - since + 1
+        c = self.counts
+        c.async_load_steps += steps
+        if steps == 1:
+            c.load_steps_1 += 1
+        elif steps == 2:
+            c.load_steps_2 += 1
+        elif steps == 3:
+            c.load_steps_3 += 1
+        else:
+            c.load_steps_4_or_more += 1
 
     def unheld(self, request_ids: Iterable[str]) -> None:
         self._unheld.update(request_ids)
@@ -93,9 +126,13 @@ class WorkerLoads:
             else:
                 recv.add(rid)  # its load ended after vLLM finished it: this is the report vLLM waits for
         self._received -= send
+        for rid in recv:
+            self._spanned(rid)
         for rid in send | recv:
             if rid in self.loading:
                 self.loaded[rid] = self.loading.pop(rid)
+        self.counts.finished_sending += len(send)
+        self.counts.finished_recving += len(recv)
         return send, recv
 
     def block_keys(self) -> dict[int, bytes]:

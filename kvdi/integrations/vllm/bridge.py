@@ -111,6 +111,8 @@ class LayoutBridge:
             dst[slots.to(dst.device)] = view[blocks.to(view.device)]
 
     def take_errors(self) -> set[int]:
-        """vLLM block ids whose load failed since the last call."""
+        """vLLM block ids whose load failed since the last call (with a direct cache, background loads' too)."""
+        if self.direct:
+            self._errors |= self.worker.get_block_ids_with_load_errors()
         errors, self._errors = self._errors, set()
         return errors

@@ -25,13 +25,9 @@ Under tensor or pipeline parallelism each worker rank stores and loads its own s
 every block under its own key, and the scheduler offers a block only when every rank's
 slice is stored (:mod:`.parallel`).
 
-Asynchronous transfers of the store halves follow vLLM's protocol: ``load_async=True``
-parks a request in ``WAITING_FOR_REMOTE_KVS`` and ``start_load_kv`` runs every step until
-the worker reported each started load in ``get_finished``; held requests (``delay_free``)
-are reported finished sending; vLLM's ``handle_preemptions`` hook gets the step's
-preempted request ids (carried in the metadata envelope) to the worker half before the
-forward pass reuses their blocks; a request vLLM ends while parked is freed once
-(:mod:`.async_loads`).
+Asynchronous loads are reported in the step they finish in, a request ended while parked is freed
+once (:mod:`.async_loads`); vLLM's scheduler sees held saves (:mod:`.pending`); ``handle_preemptions``
+flushes the preempted requests' transfers before their blocks are reused.
 
 With vLLM's hybrid KV cache manager (``SupportsHMA``) a model may have several KV cache
 groups (sliding window, Mamba beside full attention): each group is planned, keyed and
@@ -67,6 +63,7 @@ from kvdi.integrations.vllm.groups import groups_from_vllm
 from kvdi.integrations.vllm.halves import open_hybrid, open_single
 from kvdi.integrations.vllm.hybrid import HybridScheduler, HybridWorker
 from kvdi.integrations.vllm.layout import kvdi_layer_view, layout_from_vllm, ordered_layers, rank_slice
+from kvdi.integrations.vllm.pending import HeldSaves, PendingWorkHooks, wait_for_loads
 from kvdi.integrations.vllm.requests import RequestTracker
 from kvdi.integrations.vllm.shared import SHARED
 from kvdi.integrations.vllm.stats import AdapterStats, StatsReporter, check_engine_id, write_stats_file
@@ -77,7 +74,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures only its own logger tree
 
 
-class KvdiConnector(FleetHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unused-ignore]
+class KvdiConnector(FleetHooks, PendingWorkHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unused-ignore]
     """vLLM's KVConnectorBase_V1 over kvdi's connector halves (one role per instance).
 
     A bad kvdi setting raises a :class:`~kvdi.errors.KvdiError` from the constructor, after
@@ -112,6 +109,7 @@ class KvdiConnector(FleetHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignor
         self.half: SchedulerConnector | WorkerConnector
         try:
             self._index_mode = needs_block_index(container.connector().spec, vllm_config)
+            self._held_saves = HeldSaves(best_effort=container.connector().store_halves)
             if len(self.groups) > 1:  # one kvdi container and store half per KV cache group
                 args = (self.groups, self.layout, kwargs, self._shape, self._tracker, self._index_mode)
                 self.half = open_hybrid(container, worker, *args)
@@ -130,13 +128,13 @@ class KvdiConnector(FleetHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignor
         self._stored_keys: list[bytes] = []
         self._dropped_keys: list[bytes] = []
         self._parked = SchedulerLoads()
-        self._async = WorkerLoads()
         self._layer_names: dict[str, str] = {}
         self._views: dict[str, torch.Tensor] = {}
         self._bridge: LayoutBridge | None = None
         self._num_blocks: int | None = getattr(kv_cache_config, "num_blocks", None)
         self._reporter = StatsReporter(self.half.stats)
         self.counts = AdapterStats()
+        self._async = WorkerLoads(self.counts, self.half.context.settings.transfer.idle_load_wait_ms / 1000)
         self._counts_reporter = StatsReporter(self.counts)
         self._fleet_setup(vllm_config, worker)  # events, hit sources, reset, metrics (.events)
         self._closed = False
@@ -192,7 +190,8 @@ class KvdiConnector(FleetHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignor
         preempted = tuple(str(r) for r in getattr(scheduler_output, "preempted_req_ids", None) or ())
         inner = self.scheduler_half.build_connector_meta(output)
         self._fleet_planned(inner, output.finished_req_ids)
-        return KvdiConnectorMetadata(inner=inner, preempted=preempted, unheld=self._parked.take_unheld())
+        idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        return KvdiConnectorMetadata(inner, preempted, self._parked.take_unheld(), idle)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Tell kvdi the request ended; returns kvdi's (delay_free, kv_transfer_params)."""
@@ -202,7 +201,7 @@ class KvdiConnector(FleetHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignor
         finally:
             self._tracker.forget(req.request_id)
         # Ended while parked for its asynchronous load: vLLM holds the blocks until finished receiving.
-        return self._parked.finished(req.request_id, delay_free), params
+        return self._held_saves.finished(req.request_id, self._parked.finished(req.request_id, delay_free)), params
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -214,6 +213,7 @@ class KvdiConnector(FleetHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignor
         """Apply the worker's report of stored and vanished keys to the scheduler's :class:`BlockIndex`."""
         self._fleet_worker_events(connector_output)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self._held_saves.sent(getattr(connector_output, "finished_sending", None))
         if isinstance(self._scheduler, HybridScheduler):  # recomputed from scratch: store them again
             self._scheduler.load_failed(getattr(connector_output, "failed_recving", None) or ())
         if self._index is not None and isinstance(meta, KvdiWorkerMetadata):
@@ -252,6 +252,7 @@ class KvdiConnector(FleetHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignor
         self._step_meta, self._loads_due, self._saves_due = None, False, False
         if self._worker is None or not isinstance(connector_metadata, KvdiConnectorMetadata):
             return
+        self._async.next_step(connector_metadata.idle)
         if connector_metadata.unheld:
             self._async.unheld(connector_metadata.unheld)
         inner = connector_metadata.inner
@@ -322,9 +323,8 @@ class KvdiConnector(FleetHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignor
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
+        wait_for_loads(self._worker, self._async)  # an empty step: let the loader have the GIL a while
         sending, recving = self._async.reconcile(*self._worker.get_finished(finished_req_ids))
-        self.counts.finished_sending += len(sending)
-        self.counts.finished_recving += len(recving)
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

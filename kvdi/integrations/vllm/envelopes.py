@@ -37,12 +37,13 @@ class KvdiConnectorMetadata(VllmConnectorMetadata):  # type: ignore[misc,unused-
     ``preempted``: the requests vLLM preempted this step (their blocks are reused by this
     step's forward pass); the worker flushes their queued transfers in ``handle_preemptions``.
     ``unheld``: requests vLLM finished while they waited for an asynchronous load
-    (:mod:`.async_loads`).
+    (:mod:`.async_loads`). ``idle``: the step schedules no tokens (the worker may wait for loads).
     """
 
     inner: KVConnectorMetadata | None = None
     preempted: tuple[str, ...] = ()
     unheld: tuple[str, ...] = ()
+    idle: bool = False
 
 
 @dataclass

@@ -43,13 +43,24 @@ class AdapterStats:
     Scheduler: ``async_load_requests`` (requests vLLM accepted an asynchronous load for: they
     wait in ``WAITING_FOR_REMOTE_KVS``). Worker: ``finished_recving`` / ``finished_sending``
     (requests reported to vLLM through ``get_finished``), ``preempted_flushed`` (preempted
-    requests whose queued transfers were finished before their blocks were reused).
+    requests whose queued transfers were finished before their blocks were reused),
+    ``async_load_steps`` and ``load_steps_1`` .. ``load_steps_4_or_more`` (engine steps each
+    asynchronous load spanned, summed and as a histogram: :mod:`.async_loads`),
+    ``idle_load_waits`` / ``idle_load_wait_seconds`` (empty steps that waited for a load:
+    :mod:`.pending`).
     """
 
     async_load_requests: int = 0
     finished_recving: int = 0
     finished_sending: int = 0
     preempted_flushed: int = 0
+    async_load_steps: int = 0
+    load_steps_1: int = 0
+    load_steps_2: int = 0
+    load_steps_3: int = 0
+    load_steps_4_or_more: int = 0
+    idle_load_waits: int = 0
+    idle_load_wait_seconds: float = 0.0
 
 
 class StatsReporter:

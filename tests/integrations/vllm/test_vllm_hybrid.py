@@ -79,11 +79,12 @@ class Engine:
         self.worker.clear_connector_metadata()
         return sending or set(), recving or set()
 
-    def until_received(self) -> tuple[set[str], set[str]]:
+    def until_received(self, recving: set[str] | None = None) -> tuple[set[str], set[str]]:
+        """Step until a load is reported (``recving``: the report of the step that started it, maybe it)."""
         for _ in range(200):
-            _, recving = self.step()
             if recving:
                 return recving, self.worker.take_failed(recving)
+            _, recving = self.step()
             time.sleep(0.01)
         raise AssertionError("the asynchronous load never finished")
 
@@ -138,8 +139,7 @@ def test_a_second_engine_loads_each_group_into_its_own_block_ids(tmp_path: Path,
     assert consumer.scheduler.get_num_new_matched_tokens(PROMPT, 0) == (16, True)
     ids = ([11, 12, 13, 14, 15], [1, 2, 3, 4, 5])
     consumer.scheduler.allocated(PROMPT, ids, 16)
-    consumer.step([(ids, 16, 2)])
-    recving, failed = consumer.until_received()
+    recving, failed = consumer.until_received(consumer.step([(ids, 16, 2)])[1])
     assert (recving, failed) == ({"r"}, set())
     for src, dst in zip([1, 2, 3, 4], [11, 12, 13, 14], strict=True):  # full group: layers l.0 and l.2
         assert torch.equal(producer.block(src), consumer.block(dst))
@@ -161,8 +161,7 @@ def test_a_corrupt_object_of_one_group_fails_the_request(tmp_path: Path, engines
     assert (n, load_async) == (16, True)
     ids = ([11, 12, 13, 14, 15], [1, 2, 3, 4, 5])
     consumer.scheduler.allocated(PROMPT, ids, 16)
-    consumer.step([(ids, 16, 2)])
-    assert consumer.until_received() == ({"r"}, {"r"})
+    assert consumer.until_received(consumer.step([(ids, 16, 2)])[1]) == ({"r"}, {"r"})
     assert consumer.worker.get_block_ids_with_load_errors() == set()  # never block ids: vLLM refuses them here
 
 

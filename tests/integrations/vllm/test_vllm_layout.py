@@ -166,9 +166,11 @@ def test_bridge_runs_async_store_transfers_in_the_step_and_still_reports_them(tm
         v[[1, 2]] = 0.0
     async_load = StoreTransferMetadata((), (), (BlockTransfer("r", (4, 5), (b"k1", b"k2")),), async_save=True)
 
-    assert step(async_load, set()) == (None, None)
+    first = step(async_load, set())
     assert all(torch.equal(views[n][[4, 5]], originals[n]) for n in views)  # loaded within the step
-    assert step(StoreTransferMetadata((), (), ()), set()) == (None, {"r"})  # reported: vLLM resumes "r"
+    second = step(StoreTransferMetadata((), (), ()), set())
+    # Reported (vLLM resumes "r") in the step its marker job finished in: this one or the next.
+    assert first[0] is None and second[0] is None and (first[1] or set()) | (second[1] or set()) == {"r"}
     assert step(StoreTransferMetadata((), (), ()), {"r"}) == ({"r"}, None)  # held until it ends, then freed
     assert bridge.take_errors() == set()
     worker.shutdown()

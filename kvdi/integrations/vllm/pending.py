@@ -1,0 +1,85 @@
+"""What kvdi still holds or waits for, as vLLM 0.32's scheduler and workers can ask it (vLLM-free).
+
+- :class:`HeldSaves` (scheduler role): requests kvdi holds blocks of (``delay_free``) until
+  their queued saves are written. vLLM asks ``has_pending_block_frees`` before preempting a
+  running request to make room: while kvdi holds blocks, vLLM waits a step for them instead;
+  ``has_pending_push_work`` keeps the engine stepping until they come back.
+- ``requires_kv_delivery``: False for the store connectors, whose saves are a best-effort
+  cache (a preempted request's save is a future miss, not a delivery to wait for); True for
+  anything else (p2p hands KV to a peer).
+- :func:`wait_for_loads` (worker role): on a step that schedules nothing, wait a bounded time
+  (``transfer.idle_load_wait_ms``) for an asynchronous load to finish before answering, so
+  vLLM's empty steps do not spin against the loader thread for the GIL.
+- :class:`PendingWorkHooks`: the three vLLM hooks, mixed into the adapter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from kvdi.integrations.vllm.async_loads import WorkerLoads
+
+
+class HeldSaves:
+    """Scheduler role: requests whose blocks kvdi holds (``delay_free=True``) until vLLM hears they were sent."""
+
+    def __init__(self, best_effort: bool) -> None:
+        self.best_effort = best_effort
+        self.held: set[str] = set()
+
+    def finished(self, request_id: str, delay_free: bool) -> bool:
+        """Note the ``delay_free`` answered for a finished request; returns it."""
+        if delay_free:
+            self.held.add(request_id)
+        return delay_free
+
+    def sent(self, request_ids: Iterable[str] | None) -> None:
+        """vLLM's aggregated ``finished_sending``: those requests' blocks are vLLM's again."""
+        self.held.difference_update(request_ids or ())
+
+
+def wait_for_loads(worker: Any, loads: WorkerLoads) -> None:
+    """On an idle step (``loads.idle``), block up to ``loads.idle_wait_s`` until an asynchronous load of
+    ``worker`` (of each KV cache group's half, for a hybrid worker) finishes; at once when none is in
+    flight or the wait is off. The wait is on a condition variable: the loader thread has the GIL."""
+    if not loads.idle or loads.idle_wait_s <= 0:
+        return
+    halves = getattr(worker, "halves", None) or (worker,)
+    waits = [w for w in (getattr(h, "wait_for_loads", None) for h in halves) if callable(w)]
+    start = time.monotonic()
+    deadline = start + loads.idle_wait_s
+    for wait in waits:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        wait(left)
+    waited = time.monotonic() - start
+    if waited > 1e-4:  # blocked on a load, not just looked
+        loads.counts.idle_load_waits += 1
+        loads.counts.idle_load_wait_seconds += waited
+
+
+class PendingWorkHooks:
+    """vLLM's ``has_pending_block_frees``, ``has_pending_push_work`` and ``requires_kv_delivery`` over the
+    :class:`HeldSaves` the class it is mixed into sets as ``_held_saves`` (only the scheduler role holds any)."""
+
+    _held_saves: HeldSaves
+
+    def has_pending_block_frees(self) -> bool:
+        """True while a store connector holds blocks of finished requests for queued saves (they come back on
+        their own): vLLM waits for them instead of preempting. Never for p2p, whose peer may never pull."""
+        return self._held_saves.best_effort and bool(self._held_saves.held)
+
+    def has_pending_push_work(self) -> bool:
+        """True while held saves are still to be reported, so the engine steps until their blocks come back."""
+        return bool(self._held_saves.held)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False for the store connectors (a best-effort cache), True otherwise (p2p delivers to a peer)."""
+        return not self._held_saves.best_effort
+
+
+__all__ = ["HeldSaves", "PendingWorkHooks", "wait_for_loads"]

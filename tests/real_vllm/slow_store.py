@@ -1,0 +1,50 @@
+"""A user-registered store connector for the real-vLLM tests: kvdi's file store behind a slow write path.
+
+Loaded by name through ``kvdi.kv_connector_module_path=slow_store`` (the engine scripts' directory
+is on ``sys.path``), the way a user plugs in their own medium. Every ``put_many`` waits
+:data:`WRITE_DELAY_S` first, like a store across a slow network, so a finished request's queued
+saves keep its blocks held (``delay_free``) for several engine steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvdi.connectors.shared_storage import FileBlockStore
+from kvdi.connectors.store.framing import HEADER_SIZE
+from kvdi.layout import KVCacheSpec
+from kvdi.registry import ConnectorSpec
+from kvdi.settings import KvdiSettings
+from kvdi.settings.sections import SharedStorageSettings
+
+WRITE_DELAY_S = 1.0
+
+
+class SlowWrites(FileBlockStore):
+    """:class:`FileBlockStore` whose writes take :data:`WRITE_DELAY_S` longer."""
+
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[Any]]]) -> Any:
+        time.sleep(WRITE_DELAY_S)
+        return super().put_many(items)
+
+
+def open_slow_store(options: SharedStorageSettings, layout: KVCacheSpec, settings: KvdiSettings) -> SlowWrites:
+    del settings
+    store = SlowWrites(
+        Path(options.path), options.max_bytes, mode=options.mode, object_bytes=HEADER_SIZE + layout.block_bytes
+    )
+    store.open()
+    return store
+
+
+SLOW_STORAGE = ConnectorSpec(
+    "slow_storage",
+    "kvdi.connectors.store:StoreSchedulerConnector",
+    "kvdi.connectors.store:StoreWorkerConnector",
+    backend="slow_store:open_slow_store",
+    settings="shared_storage",
+    description="shared_storage with slow writes (tests)",
+)
