@@ -130,7 +130,8 @@ def test_other_requests_run_while_a_load_is_in_flight(
         fresh = engine.scheduler.add_request(Request("fresh", tuple(range(40, 51)), NEW_TOKENS))
         while not fresh.finished:
             engine.step()
-        assert entered.is_set() and loading.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        # The loader thread may not have reached the store yet on a busy machine: it must, and stay blocked.
+        assert entered.wait(10) and loading.status is RequestStatus.WAITING_FOR_REMOTE_KVS
         assert not loading.output_token_ids
     finally:
         gate.set()

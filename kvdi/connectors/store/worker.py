@@ -9,9 +9,8 @@ run on a :class:`TransferQueue`. The invariant: no block's bytes are read or wri
 reused the block. A CPU cache is read in place by the background writer, so a request with asynchronous transfers
 keeps its blocks (the scheduler half answered ``delay_free``) until this half reports it as finished sending in
 :meth:`get_finished`, after its last job; :meth:`handle_preemptions` flushes the jobs of requests whose blocks the
-engine takes back at once. A device cache
-is copied out to host staging on the engine thread (pinned; background loads copy in on a side stream
-that waits for the compute queued when the load was handed over: :mod:`kvdi.connectors.streams`).
+engine takes back at once. A device cache is copied out to host staging on the engine thread (pinned; background
+loads copy in on a side stream that waits for the compute queued at hand-over: :mod:`kvdi.connectors.streams`).
 """
 
 from __future__ import annotations
@@ -121,8 +120,7 @@ class StoreWorkerConnector(WorkerConnector):
         return self._executor
 
     def _log_once(self, reason: str, message: str, *args: object) -> None:
-        text = "kv connector %r: " + message + " (logged once per reason)"
-        log_once(logger, self._logged, reason, text, self.name, *args)
+        log_once(logger, self._logged, reason, f"kv connector %r: {message} (logged once per reason)", self.name, *args)
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         """Note the requests whose blocks the scheduler half holds for this half, by the rule it holds them by:
@@ -173,15 +171,12 @@ class StoreWorkerConnector(WorkerConnector):
         received, self._received = self._received, set()
         return sending or None, received or None
 
-    def wait_for_loads(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s`` (GIL released) until an asynchronous load finishes; True if one has."""
+    def wait_for_loads(self, timeout_s: float) -> bool:  # up to timeout_s, GIL released; True once a load finished
         return self._queue.wait_loads(timeout_s)
 
     def handle_preemptions(self, preempted_req_ids: Collection[str] | None = None) -> None:
-        """Finish the jobs of requests whose blocks the engine is about to reuse (vLLM's preemption hook).
-
-        vLLM frees a preempted request's blocks without ``request_finished``; call this before
-        the next forward pass with the preempted ids (None: every queued job)."""
+        """Finish the jobs of requests whose blocks the engine is about to reuse (vLLM's preemption hook: it frees
+        a preempted request's blocks without ``request_finished``); call before the next forward (None: all jobs)."""
         self._queue.wait(None if preempted_req_ids is None else set(preempted_req_ids))
         self._collect(self._queue.harvest(loads=False))
 
