@@ -25,13 +25,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvdi.connectors.base import KVRequest, ScheduledRequest, SchedulerOutput
 from kvdi.connectors.store.keys import KEY_BYTES
+from tests.helpers.p2p import PROMPT, TIMEOUT_S, p2p_settings, poll_until, random_caches, step
 
 TOKEN = "correct horse battery staple"
-TIMEOUT_S = 3.0
 WAIT_S = 90.0
-PROMPT = KVRequest("req-1", tuple(range(13)))  # block size 4: 3 loadable blocks
 PRODUCER_BLOCKS = (5, 6, 7, 8)
 CONSUMER_BLOCKS = (1, 2, 3, 4)
 LOADED = 3
@@ -47,36 +45,6 @@ def free_port() -> int:
     from kvdi.testing.redis_server import free_port as free
 
     return free()
-
-
-def p2p_settings(role: str, port: int, token: str | None, connect_timeout_s: float) -> Any:
-    from kvdi.settings import load_settings
-
-    p2p: dict[str, Any] = {"kv_port": port, "kv_rank": 0 if role == "kv_producer" else 1, "timeout_s": TIMEOUT_S}
-    p2p |= {"connect_timeout_s": connect_timeout_s} | ({"auth_token": token} if token is not None else {})
-    return load_settings(
-        kv_connector="p2p",
-        kv_role=role,
-        p2p=p2p,
-        model={"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "hidden_size": 32},
-        allocator={"device": "cpu", "num_blocks": 16, "block_size": 4},
-        transfer={"async_load": "off"},  # one synchronous step driven by hand
-    )
-
-
-def random_caches(layout: Any, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {n: torch.randn((16, *layout.block_shape), generator=gen) for n in layout.layer_names}
-
-
-def step(blocks: tuple[int, ...], computed: int) -> SchedulerOutput:
-    return SchedulerOutput(1, (ScheduledRequest(PROMPT, blocks, computed, len(PROMPT.prompt_token_ids) - computed),))
-
-
-def poll_until(ready: Any, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready() and time.monotonic() < deadline:
-        time.sleep(0.02)
 
 
 def producer(port: int, token: str | None, out: Any, events: dict[str, Any], connect_timeout_s: float) -> None:

@@ -22,17 +22,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdi.connectors.base import KVRequest, ScheduledRequest, SchedulerOutput
 from kvdi.connectors.p2p import handshake as hs
 from kvdi.connectors.p2p.protocol import MAX_KEYS, REQUEST_QUEUE, Ack, BadMessage, Request, Session
 from kvdi.connectors.p2p.rendezvous import host_store
 from kvdi.connectors.store.keys import KEY_BYTES
 from kvdi.errors import ConfigError
+from tests.helpers.p2p import PROMPT, p2p_settings, poll_until, random_caches, step
 
 TOKEN = "correct horse battery staple"
-TIMEOUT_S = 3.0
 WAIT_S = 60.0
-PROMPT = KVRequest("req-1", tuple(range(13)))  # block size 4: 3 loadable blocks
 PRODUCER_BLOCKS = (5, 6, 7, 8)
 CONSUMER_BLOCKS = (1, 2, 3, 4)
 LOADED = 3
@@ -280,34 +278,6 @@ def test_the_producer_store_listens_on_loopback_only_when_kv_ip_is_loopback() ->
 
 
 # -- processes -----------------------------------------------------------------------------
-def p2p_settings(role: str, port: int, token: str | None, connect_timeout_s: float = 10.0) -> Any:
-    from kvdi.settings import load_settings
-
-    p2p: dict[str, Any] = {"kv_port": port, "kv_rank": 0 if role == "kv_producer" else 1, "timeout_s": TIMEOUT_S}
-    p2p |= {"connect_timeout_s": connect_timeout_s} | ({"auth_token": token} if token is not None else {})
-    return load_settings(
-        kv_connector="p2p",
-        kv_role=role,
-        p2p=p2p,
-        model={"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "hidden_size": 32},
-        allocator={"device": "cpu", "num_blocks": 16, "block_size": 4},
-        transfer={"async_load": "off"},  # one synchronous step driven by hand
-    )
-
-
-def random_caches(layout: Any, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {n: torch.randn((16, *layout.block_shape), generator=gen) for n in layout.layer_names}
-
-
-def step(blocks: tuple[int, ...], computed: int) -> SchedulerOutput:
-    return SchedulerOutput(1, (ScheduledRequest(PROMPT, blocks, computed, len(PROMPT.prompt_token_ids) - computed),))
-
-
-def poll_until(ready: Any, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready() and time.monotonic() < deadline:
-        time.sleep(0.02)
 
 
 def producer(port: int, out: Any, events: dict[str, Any], connect_timeout_s: float = 10.0) -> None:
