@@ -246,6 +246,52 @@ def test_the_plan_counts_host_staging_on_the_host_and_device_staging_on_the_gpu(
     assert plan.total_bytes + plan.device_staging_bytes <= free
 
 
+def test_the_layout_bridge_moves_a_step_through_bounded_scratch_on_the_engine_stream(tmp_path: Path) -> None:
+    """vLLM's flash-attention layout (K and V outermost: blocks not contiguous) goes through the bridge's
+    scratch on the GPU: 6 blocks with a 2-block bound move in 3 rounds each way, byte for byte, while the
+    compute stream that wrote them is still busy, and the scratch never holds more than 2 blocks."""
+    from kvdi.allocator import StagingBuffers
+    from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, ConnectorContext, KVConnectorRole
+    from kvdi.connectors.shared_storage import FileBlockStore
+    from kvdi.connectors.store import StoreWorkerConnector
+    from kvdi.integrations.vllm.bridge import LayoutBridge
+    from kvdi.integrations.vllm.layout import kvdi_layer_view
+    from kvdi.settings import load_settings
+
+    settings = load_settings(kv_role="kv_both", allocator={"max_staging_bytes": 2 * SPEC.block_bytes})
+    context = ConnectorContext(
+        "shared_storage", KVConnectorRole.WORKER, settings, SPEC, None, FileBlockStore(tmp_path), StagingBuffers(True)
+    )
+    worker = StoreWorkerConnector(context)
+    shape = (2, 16, SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
+    vllm_cache = {name: torch.zeros(shape, dtype=torch.float16, device="cuda") for name in SPEC.layer_names}
+    views = {name: kvdi_layer_view(t, SPEC, num_blocks=16) for name, t in vllm_cache.items()}
+    bridge = LayoutBridge(views, worker)
+    assert not bridge.direct and bridge.max_slots == 2
+    keys = tuple(f"k{b}".encode() for b in range(6))
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):  # vLLM's current stream: the bridge's copies queue behind its writes
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for t in vllm_cache.values():
+            for b in range(6):
+                t[:, b].view(torch.uint8).fill_(10 + b)
+        worker.bind_connector_metadata(
+            bridge.bind(BlockTransferMetadata((), (BlockTransfer("w", tuple(range(6)), keys),)))
+        )
+        bridge.save(worker.wait_for_save)
+        worker.bind_connector_metadata(
+            bridge.bind(BlockTransferMetadata((BlockTransfer("r", tuple(range(8, 14)), keys),)))
+        )
+        bridge.load(worker.start_load_kv)
+    torch.cuda.synchronize()
+    assert bridge.take_errors() == set()
+    for t in vllm_cache.values():
+        assert [set(t[:, 8 + b].view(torch.uint8).unique().tolist()) for b in range(6)] == [{10 + b} for b in range(6)]
+    assert bridge.scratch_bytes <= 2 * SPEC.block_bytes
+    assert all(s.device.type == "cuda" and s.shape[0] <= 2 for s in bridge.scratch.values())
+    worker.shutdown()
+
+
 # -- p2p with CUDA caches: gloo on one GPU, NCCL between two (one process per engine) ------------------
 PROMPT = KVRequest("req-1", tuple(range(13)))  # block size 4: 3 loadable blocks
 PRODUCER_BLOCKS, CONSUMER_BLOCKS, LOADED = (5, 6, 7, 8), (1, 2, 3, 4), 3

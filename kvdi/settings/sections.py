@@ -79,7 +79,8 @@ class AllocatorSettings(_Section):
     pin_memory: bool = True
     max_staging_bytes: int = Field(64 << 20, gt=0)
     """The most staging one transfer of kvdi holds outside the KV cache: a p2p fetch's receive staging
-    (pinned host memory for a CUDA cache over gloo, device memory over NCCL; fetches are split to fit)."""
+    (pinned host memory for a CUDA cache over gloo, device memory over NCCL; fetches are split to fit) and
+    the vLLM adapter's layout-bridge scratch (the cache's device; a larger step moves in rounds)."""
 
     @field_validator("device")
     @classmethod

@@ -1,8 +1,8 @@
-"""Gives kvdi's worker half caches whose blocks are contiguous, copying through scratch only when needed."""
+"""Gives kvdi's worker half caches whose blocks are contiguous, copying through bounded scratch only when needed."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
@@ -11,36 +11,53 @@ import torch
 from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, KVConnectorMetadata, WorkerConnector
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 
+Round = list[BlockTransfer]  # transfers (vLLM block ids) whose blocks fit the scratch together
+
 
 class LayoutBridge:
-    """Gives kvdi's worker half caches whose blocks are contiguous, copying through scratch only when needed.
+    """Gives kvdi's worker half caches whose blocks are contiguous, copying through bounded scratch only when needed.
 
     kvdi's store halves read and write each layer's block as one contiguous run of bytes.
     When every view from :func:`kvdi_layer_view` has contiguous blocks (``direct``: vLLM's
     CPU backend, NHD layouts with blocks outermost) the worker half gets vLLM's tensors and
-    nothing is copied. Otherwise the worker half is given a small contiguous scratch cache in
-    kvdi's order: each step's :class:`BlockTransferMetadata` is rewritten from vLLM block ids
-    to scratch slots, blocks to save are gathered into scratch before the save, and loaded
-    blocks are scattered into vLLM's cache after the load. Through scratch every transfer is
-    synchronous (asynchronous loads and saves of the store halves run within the step), and
-    the store halves' requests are still reported as vLLM expects.
+    nothing is copied. Otherwise the worker half is given a contiguous scratch cache in kvdi's
+    order, on vLLM's device, of at most ``max_bytes`` (``allocator.max_staging_bytes``; at least
+    one block): a step's loads run in rounds that each fit it (blocks mapped to scratch slots,
+    loaded, scattered into vLLM's cache), then its saves (gathered into scratch, saved). Through
+    scratch every transfer is synchronous (asynchronous loads and saves of the store halves run
+    within the step), and the store halves' requests are still reported as vLLM expects: each
+    asynchronous load leaves a marker (an empty load of its request) in the step's last load round.
+    A request whose blocks failed to load in one round loads no more of them in later rounds
+    (vLLM recomputes it from its first failed block anyway).
     """
 
-    def __init__(self, views: Mapping[str, torch.Tensor], worker: WorkerConnector) -> None:
+    def __init__(
+        self, views: Mapping[str, torch.Tensor], worker: WorkerConnector, max_bytes: int | None = None
+    ) -> None:
         self.views = dict(views)
         self.worker = worker
         self.direct = all(v.is_contiguous() for v in self.views.values())
+        self.slot_bytes = sum(v[0].numel() * v.element_size() for v in self.views.values()) if self.views else 1
+        limit = worker.context.settings.allocator.max_staging_bytes if max_bytes is None else max_bytes
+        self.max_slots = max(1, limit // max(1, self.slot_bytes))
         self.scratch: dict[str, torch.Tensor] = {}
-        self._loads: list[tuple[int, int]] = []  # (vllm block id, scratch slot)
-        self._saves: list[tuple[int, int]] = []
-        self._slot_to_block: dict[int, int] = {}
+        self._template: BlockTransferMetadata | None = None  # this step's metadata, None: handed on as is
+        self._markers: tuple[BlockTransfer, ...] | None = None
+        self._load_rounds: list[Round] = []
+        self._save_rounds: list[Round] = []
         self._errors: set[int] = set()
         worker.register_kv_caches(self.views if self.direct else self._ensure_scratch(1))
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Device memory the scratch holds now (at most ``max_slots`` blocks)."""
+        return sum(t.numel() * t.element_size() for t in self.scratch.values())
 
     def _ensure_scratch(self, slots: int) -> dict[str, torch.Tensor]:
         have = next(iter(self.scratch.values())).shape[0] if self.scratch else 0
         if slots > have:
-            size = max(slots, 2 * have)
+            size = min(self.max_slots, max(slots, 2 * have))
+            self.scratch = {}  # the old scratch goes before the new one is made
             self.scratch = {
                 name: torch.empty((size, *view.shape[1:]), dtype=view.dtype, device=view.device)
                 for name, view in self.views.items()
@@ -49,49 +66,87 @@ class LayoutBridge:
                 self.worker.register_kv_caches(self.scratch)
         return self.scratch
 
+    def _rounds(self, transfers: Sequence[BlockTransfer]) -> list[Round]:
+        """``transfers`` cut into rounds of at most ``max_slots`` blocks (a transfer may span rounds)."""
+        rounds: list[Round] = []
+        current: Round = []
+        room = self.max_slots
+        for t in transfers:
+            start = 0
+            while start < len(t.block_ids):
+                take = min(room, len(t.block_ids) - start)
+                span = slice(start, start + take)
+                current.append(BlockTransfer(t.request_id, t.block_ids[span], t.block_keys[span]))
+                start += take
+                room -= take
+                if room == 0:
+                    rounds.append(current)
+                    current, room = [], self.max_slots
+        if current:
+            rounds.append(current)
+        return rounds
+
+    def _metadata(
+        self, loads: tuple[BlockTransfer, ...], saves: tuple[BlockTransfer, ...], markers: tuple[BlockTransfer, ...]
+    ) -> KVConnectorMetadata:
+        """One round's metadata, of the step's own type (store and p2p keep theirs: the worker half reads it)."""
+        if self._markers is None:
+            return BlockTransferMetadata(loads, saves)
+        sync_saves = {"async_save": False} if isinstance(self._template, StoreTransferMetadata) else {}
+        return cast(
+            KVConnectorMetadata,
+            replace(cast(Any, self._template), loads=loads, saves=saves, async_loads=markers, **sync_saves),
+        )
+
     def bind(self, metadata: KVConnectorMetadata) -> KVConnectorMetadata:
-        """The metadata to hand kvdi's worker half for this step (block ids mapped to scratch slots)."""
-        self._loads, self._saves, self._slot_to_block = [], [], {}
+        """The metadata to bind on kvdi's worker half for this step: the step's own (direct), or its
+        bookkeeping only (the requests' markers, no blocks); :meth:`load` and :meth:`save` bind each round."""
+        self._template, self._markers, self._load_rounds, self._save_rounds = None, None, [], []
         if self.direct or not isinstance(metadata, BlockTransferMetadata):
             return metadata
-        next_slot = 0
-
-        def remap(transfers: Sequence[BlockTransfer], pairs: list[tuple[int, int]]) -> tuple[BlockTransfer, ...]:
-            nonlocal next_slot
-            out = []
-            for t in transfers:
-                slots = tuple(range(next_slot, next_slot + len(t.block_ids)))
-                next_slot += len(slots)
-                pairs.extend(zip(t.block_ids, slots, strict=True))
-                out.append(BlockTransfer(t.request_id, slots, t.block_keys))
-            return tuple(out)
-
+        self._template = metadata
         async_loads: tuple[BlockTransfer, ...] | None = getattr(metadata, "async_loads", None)  # store and p2p
-        if async_loads is None:
-            loads, saves = remap(metadata.loads, self._loads), remap(metadata.saves, self._saves)
-            bridged: BlockTransferMetadata = BlockTransferMetadata(loads, saves)
-        else:
-            # Scratch slots are reused by the next step, so nothing may run in the background here: async
-            # loads run now, with the sync ones, and an empty async load per request keeps the worker's
-            # bookkeeping (reported finished receiving next step, its blocks held until finished sending).
-            loads = remap((*metadata.loads, *async_loads), self._loads)
-            saves = remap(metadata.saves, self._saves)
-            markers = tuple(BlockTransfer(t.request_id, (), ()) for t in async_loads)
-            sync_saves = {"async_save": False} if isinstance(metadata, StoreTransferMetadata) else {}
-            bridged = replace(cast(Any, metadata), loads=loads, saves=saves, async_loads=markers, **sync_saves)
-        self._slot_to_block = dict((slot, block) for block, slot in self._loads)
-        if next_slot:
-            self._ensure_scratch(next_slot)
-        return bridged
+        if async_loads is not None:
+            self._markers = tuple(BlockTransfer(t.request_id, (), ()) for t in async_loads)
+        self._load_rounds = self._rounds((*metadata.loads, *(async_loads or ())))
+        self._save_rounds = self._rounds(metadata.saves)
+        return self._metadata((), (), self._markers or ())
 
-    def after_load(self) -> None:
-        """Scatter the blocks kvdi loaded into scratch into vLLM's cache; remember failed vLLM block ids."""
-        failed_slots = self.worker.get_block_ids_with_load_errors()
-        if self.direct:
-            self._errors |= failed_slots
+    def _bind_round(self, transfers: Round, saves: bool, last: bool) -> list[tuple[int, int]]:
+        """Bind one round on the worker half, its blocks mapped to scratch slots 0..n; the (block, slot) pairs."""
+        pairs: list[tuple[int, int]] = []
+        mapped = []
+        for t in transfers:
+            slots = tuple(range(len(pairs), len(pairs) + len(t.block_ids)))
+            pairs.extend(zip(t.block_ids, slots, strict=True))
+            mapped.append(BlockTransfer(t.request_id, slots, t.block_keys))
+        self._ensure_scratch(len(pairs))
+        markers = (self._markers or ()) if last and not saves else ()
+        loads, stores = ((), tuple(mapped)) if saves else (tuple(mapped), ())
+        self.worker.bind_connector_metadata(self._metadata(loads, stores, markers))
+        return pairs
+
+    def load(self, start: Callable[[], None]) -> None:
+        """Run this step's loads (``start``: the worker half's ``start_load_kv``), round by round through
+        scratch into vLLM's cache; remember the vLLM block ids that failed."""
+        if self._template is None:  # direct, or a connector's own metadata: its block ids are vLLM's
+            start()
+            self._errors |= self.worker.get_block_ids_with_load_errors()
             return
-        self._errors |= {self._slot_to_block.get(s, s) for s in failed_slots}
-        good = [(b, s) for b, s in self._loads if s not in failed_slots and b not in self._errors]
+        rounds = self._load_rounds or ([[]] if self._markers else [])
+        failed_requests: set[str] = set()
+        for i, transfers in enumerate(rounds):
+            live = [t for t in transfers if t.request_id not in failed_requests]
+            pairs = self._bind_round(live, saves=False, last=i == len(rounds) - 1)
+            start()
+            failed_slots = self.worker.get_block_ids_with_load_errors()
+            slot_to_block = dict((slot, block) for block, slot in pairs)
+            failed = {slot_to_block.get(s, s) for s in failed_slots}
+            self._errors |= failed
+            failed_requests.update(t.request_id for t in live if failed.intersection(t.block_ids))
+            self._scatter([(b, s) for b, s in pairs if s not in failed_slots and b not in self._errors])
+
+    def _scatter(self, good: Sequence[tuple[int, int]]) -> None:
         if not good:
             return
         blocks = torch.tensor([b for b, _ in good], dtype=torch.long)
@@ -100,15 +155,20 @@ class LayoutBridge:
             src = self.scratch[name]
             view[blocks.to(view.device)] = src[slots.to(src.device)]
 
-    def before_save(self) -> None:
-        """Gather the blocks to save from vLLM's cache into scratch (kvdi's byte order)."""
-        if self.direct or not self._saves:
+    def save(self, wait: Callable[[], None]) -> None:
+        """Run this step's saves (``wait``: the worker half's ``wait_for_save``), round by round: the
+        blocks gathered from vLLM's cache into scratch (kvdi's byte order), then saved."""
+        if self._template is None:
+            wait()
             return
-        blocks = torch.tensor([b for b, _ in self._saves], dtype=torch.long)
-        slots = torch.tensor([s for _, s in self._saves], dtype=torch.long)
-        for name, view in self.views.items():
-            dst = self.scratch[name]
-            dst[slots.to(dst.device)] = view[blocks.to(view.device)]
+        for transfers in self._save_rounds:
+            pairs = self._bind_round(transfers, saves=True, last=False)
+            blocks = torch.tensor([b for b, _ in pairs], dtype=torch.long)
+            slots = torch.tensor([s for _, s in pairs], dtype=torch.long)
+            for name, view in self.views.items():
+                dst = self.scratch[name]
+                dst[slots.to(dst.device)] = view[blocks.to(view.device)]
+            wait()
 
     def take_errors(self) -> set[int]:
         """vLLM block ids whose load failed since the last call (with a direct cache, background loads' too)."""

@@ -243,7 +243,10 @@ class KvdiConnector(FleetHooks, PendingWorkHooks, KVConnectorBase_V1, SupportsHM
             names[0],
             tuple(kv_caches[names[0]].shape),
             tuple(self._views[expected[0]].shape),
-            "zero-copy" if self._bridge.direct else "bridged through a kvdi-layout scratch cache",
+            "zero-copy"
+            if self._bridge.direct
+            else f"bridged through a kvdi-layout scratch cache of at most {self._bridge.max_slots} blocks"
+            " (allocator.max_staging_bytes)",
         )
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
@@ -292,12 +295,17 @@ class KvdiConnector(FleetHooks, PendingWorkHooks, KVConnectorBase_V1, SupportsHM
         """Run kvdi's loads for this step into vLLM's paged cache (nothing when the step loads nothing)."""
         if self._worker is None or not self._loads_due:
             return
+        if self._bridge is not None:
+            self._bridge.load(self._start_load)  # through scratch: round by round
+        else:
+            self._start_load()
+
+    def _start_load(self) -> None:
+        assert self._worker is not None
         try:
             self._worker.start_load_kv()
         except KVLoadError as exc:  # kvdi is set to report, but never take the engine down
             logger.warning("kvdi load failed: %s", exc)
-        if self._bridge is not None:
-            self._bridge.after_load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None and self._loads_due:
@@ -313,10 +321,11 @@ class KvdiConnector(FleetHooks, PendingWorkHooks, KVConnectorBase_V1, SupportsHM
     def wait_for_save(self) -> None:
         if self._worker is None or not self._saves_due:
             return
-        if self._bridge is not None:
-            self._bridge.before_save()
         failures = self._worker.stats.save_failures
-        self._worker.wait_for_save()
+        if self._bridge is not None:
+            self._bridge.save(self._worker.wait_for_save)  # through scratch: round by round
+        else:
+            self._worker.wait_for_save()
         if self._index_mode and self._step_meta is not None and self._worker.stats.save_failures == failures:
             self._stored_keys.extend(k for t in self._step_meta.saves for k in t.block_keys)
 

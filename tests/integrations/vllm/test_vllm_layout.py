@@ -120,10 +120,8 @@ def test_bridge_copies_non_contiguous_blocks_through_scratch() -> None:
     )
 
     worker.bind_connector_metadata(bridge.bind(meta))
-    worker.start_load_kv()
-    bridge.after_load()
-    bridge.before_save()
-    worker.wait_for_save()
+    bridge.load(worker.start_load_kv)
+    bridge.save(worker.wait_for_save)
 
     assert torch.all(views["layers.1"][3] == 1.0)  # slot 0 -> vLLM block 3
     assert torch.all(views["layers.1"][4] == 0.0)  # slot 1 failed: not copied
@@ -152,10 +150,8 @@ def test_bridge_runs_async_store_transfers_in_the_step_and_still_reports_them(tm
 
     def step(meta: StoreTransferMetadata, finished: set[str]) -> tuple[set[str] | None, set[str] | None]:
         worker.bind_connector_metadata(bridge.bind(meta))
-        worker.start_load_kv()
-        bridge.after_load()
-        bridge.before_save()
-        worker.wait_for_save()
+        bridge.load(worker.start_load_kv)
+        bridge.save(worker.wait_for_save)
         done = worker.get_finished(finished)
         worker.clear_connector_metadata()
         return done
@@ -173,6 +169,115 @@ def test_bridge_runs_async_store_transfers_in_the_step_and_still_reports_them(tm
     assert first[0] is None and second[0] is None and (first[1] or set()) | (second[1] or set()) == {"r"}
     assert step(StoreTransferMetadata((), (), ()), {"r"}) == ({"r"}, None)  # held until it ends, then freed
     assert bridge.take_errors() == set()
+    worker.shutdown()
+
+
+class _RoundWorker(WorkerConnector):
+    """Loads: fills each slot with its key's number, fails the key ``b"bad"``; saves: keeps each key's bytes.
+    Records every round it was bound for (loads, saves, markers) and the largest slot it was handed."""
+
+    def __init__(self, settings: Any) -> None:
+        super().__init__(ConnectorContext("fake", KVConnectorRole.WORKER, settings, SPEC))
+        self.caches: Mapping[str, torch.Tensor] = {}
+        self.saved: dict[bytes, torch.Tensor] = {}
+        self.rounds: list[tuple[list[bytes], list[bytes], list[str]]] = []
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        self.caches = kv_caches
+
+    def start_load_kv(self) -> None:
+        meta = self.metadata
+        assert isinstance(meta, BlockTransferMetadata)
+        markers = [t.request_id for t in getattr(meta, "async_loads", ())]
+        self.rounds.append(([k for t in meta.loads for k in t.block_keys], [], markers))
+        for t in meta.loads:
+            for slot, key in zip(t.block_ids, t.block_keys, strict=True):
+                if key == b"bad":
+                    self.report_load_error([slot])
+                    continue
+                for cache in self.caches.values():
+                    cache[slot] = float(key[1:])
+
+    def wait_for_save(self) -> None:
+        meta = self.metadata
+        assert isinstance(meta, BlockTransferMetadata)
+        self.rounds.append(([], [k for t in meta.saves for k in t.block_keys], []))
+        for t in meta.saves:
+            for slot, key in zip(t.block_ids, t.block_keys, strict=True):
+                self.saved[key] = self.caches["layers.0"][slot].clone()
+
+
+def test_bridge_scratch_stays_within_max_staging_bytes_by_moving_a_step_in_rounds() -> None:
+    """A step larger than the scratch bound moves in rounds of at most that many blocks: every block lands in
+    its own vLLM block, a request whose load failed loads no more of its blocks, the async loads' markers
+    reach the worker once (the last load round), and the scratch never holds more than the bound."""
+    from kvdi.connectors.store.scheduler import StoreTransferMetadata
+
+    settings = load_settings(allocator={"max_staging_bytes": 3 * SPEC.block_bytes})  # 3 blocks of both layers
+    vllm_cache = {
+        f"layers.{i}": torch.zeros(2, 12, SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim) for i in range(2)
+    }
+    views = {name: kvdi_layer_view(t, SPEC, num_blocks=12) for name, t in vllm_cache.items()}
+    worker = _RoundWorker(settings)
+    bridge = LayoutBridge(views, worker)
+    assert not bridge.direct and bridge.max_slots == 3
+    for b in range(8, 12):
+        views["layers.0"][b] = float(100 + b)
+    meta = StoreTransferMetadata(
+        loads=(BlockTransfer("a", (0, 1), (b"k1", b"k2")),),
+        saves=(BlockTransfer("w", (8, 9, 10, 11), (b"s8", b"s9", b"s10", b"s11")),),
+        async_loads=(
+            BlockTransfer("b", (2, 3, 4, 5, 6), (b"k3", b"k4", b"bad", b"k6", b"k7")),
+            BlockTransfer("c", (7,), (b"k8",)),
+        ),
+    )
+    bookkeeping = bridge.bind(meta)
+    assert isinstance(bookkeeping, StoreTransferMetadata) and not bookkeeping.loads and not bookkeeping.saves
+    worker.bind_connector_metadata(bookkeeping)
+    bridge.load(worker.start_load_kv)
+    bridge.save(worker.wait_for_save)
+
+    assert worker.rounds == [
+        ([b"k1", b"k2", b"k3"], [], []),
+        ([b"k4", b"bad", b"k6"], [], []),  # "b" failed here: its k7 is not loaded in the next round
+        ([b"k8"], [], ["b", "c"]),
+        ([], [b"s8", b"s9", b"s10"], []),
+        ([], [b"s11"], []),
+    ]
+    assert [float(views["layers.1"][b].flatten()[0]) for b in range(8)] == [1, 2, 3, 4, 0, 6, 0, 8]
+    assert bridge.take_errors() == {4}
+    assert {k: float(v.flatten()[0]) for k, v in worker.saved.items()} == {
+        b"s8": 108, b"s9": 109, b"s10": 110, b"s11": 111,
+    }  # fmt: skip
+    assert bridge.scratch_bytes <= settings.allocator.max_staging_bytes
+    assert max(t.shape[0] for t in bridge.scratch.values()) == 3
+
+
+def test_a_real_store_half_round_trips_a_step_larger_than_the_bridge_scratch(tmp_path: Any) -> None:
+    """The store worker half, rebound for each round: 6 blocks with a 2-block bound, saved and loaded byte for byte."""
+    from kvdi.connectors.shared_storage import FileBlockStore
+    from kvdi.connectors.store import StoreWorkerConnector
+
+    settings = load_settings(kv_role="kv_both", allocator={"max_staging_bytes": 2 * SPEC.block_bytes})
+    context = ConnectorContext("shared_storage", KVConnectorRole.WORKER, settings, SPEC, None, FileBlockStore(tmp_path))
+    worker = StoreWorkerConnector(context)
+    vllm_cache = {n: torch.zeros(2, 16, SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim) for n in SPEC.layer_names}
+    views = {name: kvdi_layer_view(t, SPEC, num_blocks=16) for name, t in vllm_cache.items()}
+    bridge = LayoutBridge(views, worker)
+    assert bridge.max_slots == 2
+    keys = tuple(f"k{b}".encode() for b in range(6))
+    for t in vllm_cache.values():
+        for b in range(6):
+            t[:, b] = float(10 + b)
+    worker.bind_connector_metadata(bridge.bind(BlockTransferMetadata((), (BlockTransfer("w", tuple(range(6)), keys),))))
+    bridge.save(worker.wait_for_save)
+    loads = (BlockTransfer("r", tuple(range(8, 14)), keys),)
+    worker.bind_connector_metadata(bridge.bind(BlockTransferMetadata(loads)))
+    bridge.load(worker.start_load_kv)
+    assert bridge.take_errors() == set() and worker.stats.loaded_blocks == 6
+    for t in vllm_cache.values():
+        assert [set(t[:, 8 + b].unique().tolist()) for b in range(6)] == [{10.0 + b} for b in range(6)]
+    assert bridge.scratch_bytes <= 2 * SPEC.block_bytes
     worker.shutdown()
 
 

@@ -13,6 +13,7 @@ from kvdi.connectors.base import (
     BlockTransfer,
     BlockTransferMetadata,
     ConnectorContext,
+    KVConnectorMetadata,
     KVConnectorRole,
     WorkerConnector,
 )
@@ -30,12 +31,13 @@ SPEC = KVCacheSpec("m", 2, 2, 32, 32, "float32")
 class _Worker(WorkerConnector):
     def __init__(self) -> None:
         super().__init__(ConnectorContext("fake", KVConnectorRole.WORKER, load_settings(), SPEC))
+        self.started: list[KVConnectorMetadata | None] = []
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         assert all(t.is_contiguous() for t in kv_caches.values())
 
     def start_load_kv(self) -> None:
-        pass
+        self.started.append(self.metadata)
 
     def wait_for_save(self) -> None:
         pass
@@ -45,13 +47,16 @@ def test_the_bridge_keeps_p2p_metadata_and_turns_its_async_loads_into_step_loads
     """Through scratch a p2p async load runs in the step (scratch is reused next step); the marker keeps
     the request's report (finished receiving) and the metadata stays p2p's, so the worker half sees it."""
     vllm_cache = {f"layers.{i}": torch.zeros(2, 6, SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim) for i in range(2)}
-    bridge = LayoutBridge({n: kvdi_layer_view(t, SPEC, num_blocks=6) for n, t in vllm_cache.items()}, _Worker())
+    worker = _Worker()
+    bridge = LayoutBridge({n: kvdi_layer_view(t, SPEC, num_blocks=6) for n, t in vllm_cache.items()}, worker)
     assert not bridge.direct
     meta = P2pTransferMetadata(
         loads=(BlockTransfer("sync", (4,), (b"k4",)),),
         async_loads=(BlockTransfer("async", (2, 3), (b"k2", b"k3")),),
     )
-    bridged = bridge.bind(meta)
+    worker.bind_connector_metadata(bridge.bind(meta))
+    bridge.load(worker.start_load_kv)
+    [bridged] = worker.started
     assert isinstance(bridged, P2pTransferMetadata)
     assert [(t.request_id, t.block_ids, t.block_keys) for t in bridged.loads] == [
         ("sync", (0,), (b"k4",)),
@@ -62,8 +67,11 @@ def test_the_bridge_keeps_p2p_metadata_and_turns_its_async_loads_into_step_loads
 
 def test_plain_metadata_stays_plain_through_the_bridge() -> None:
     vllm_cache = {f"layers.{i}": torch.zeros(2, 6, SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim) for i in range(2)}
-    bridge = LayoutBridge({n: kvdi_layer_view(t, SPEC, num_blocks=6) for n, t in vllm_cache.items()}, _Worker())
-    bridged = bridge.bind(BlockTransferMetadata(loads=(BlockTransfer("r", (5,), (b"k",)),)))
+    worker = _Worker()
+    bridge = LayoutBridge({n: kvdi_layer_view(t, SPEC, num_blocks=6) for n, t in vllm_cache.items()}, worker)
+    worker.bind_connector_metadata(bridge.bind(BlockTransferMetadata(loads=(BlockTransfer("r", (5,), (b"k",)),))))
+    bridge.load(worker.start_load_kv)
+    [bridged] = worker.started
     assert type(bridged) is BlockTransferMetadata and bridged.loads[0].block_ids == (0,)
 
 
