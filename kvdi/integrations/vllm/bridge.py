@@ -48,6 +48,11 @@ class LayoutBridge:
         self._errors: set[int] = set()
         worker.register_kv_caches(self.views if self.direct else self._ensure_scratch(1))
 
+    def describe(self) -> str:
+        if self.direct:
+            return "zero-copy"
+        return f"bridged through a kvdi-layout scratch cache of at most {self.max_slots} blocks (max_staging_bytes)"
+
     @property
     def scratch_bytes(self) -> int:
         """Device memory the scratch holds now (at most ``max_slots`` blocks)."""

@@ -243,10 +243,7 @@ class KvdiConnector(FleetHooks, PendingWorkHooks, KVConnectorBase_V1, SupportsHM
             names[0],
             tuple(kv_caches[names[0]].shape),
             tuple(self._views[expected[0]].shape),
-            "zero-copy"
-            if self._bridge.direct
-            else f"bridged through a kvdi-layout scratch cache of at most {self._bridge.max_slots} blocks"
-            " (allocator.max_staging_bytes)",
+            self._bridge.describe(),
         )
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
