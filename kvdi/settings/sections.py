@@ -256,15 +256,19 @@ class TransferSettings(_Section):
     ``idle_load_wait_ms``: on an engine step that schedules nothing while asynchronous loads
     are in flight, the worker waits up to this long (GIL released) for one to finish before
     answering, instead of letting empty steps spin against the loader; 0 turns it off.
+    ``async_load=prefetch`` (vLLM): a lookup's hit is fetched into host staging first (the
+    request waits, holding no KV block), then loaded synchronously from there (a copy);
+    ``prefetch_max_bytes`` bounds that staging (past it, hits take the ``auto`` path).
     """
 
     io_thread: Literal["auto", "on", "off"] = "off"
     async_save: bool = True
-    async_load: Literal["auto", "on", "off"] = "auto"
+    async_load: Literal["auto", "on", "off", "prefetch"] = "auto"
     max_inflight_bytes: int = Field(256 << 20, gt=0)
     idle_load_wait_ms: float = Field(10.0, ge=0, le=1000)
+    prefetch_max_bytes: int = Field(256 << 20, gt=0)
 
-    @field_validator("max_inflight_bytes")
+    @field_validator("max_inflight_bytes", "prefetch_max_bytes")
     @classmethod
     def _memory(cls, value: int) -> int:
         return within_physical_memory(value)

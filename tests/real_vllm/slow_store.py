@@ -1,9 +1,11 @@
-"""A user-registered store connector for the real-vLLM tests: kvdi's file store behind a slow write path.
+"""User-registered store connectors for the real-vLLM tests: kvdi's file store behind a slow path.
 
 Loaded by name through ``kvdi.kv_connector_module_path=slow_store`` (the engine scripts' directory
-is on ``sys.path``), the way a user plugs in their own medium. Every ``put_many`` waits
-:data:`WRITE_DELAY_S` first, like a store across a slow network, so a finished request's queued
-saves keep its blocks held (``delay_free``) for several engine steps.
+is on ``sys.path``), the way a user plugs in their own medium. ``slow_storage``: every ``put_many``
+waits :data:`WRITE_DELAY_S` first, like a store across a slow network, so a finished request's
+queued saves keep its blocks held (``delay_free``) for several engine steps. ``slow_reads``: every
+``get_many`` waits :data:`READ_DELAY_S`, like a remote store, so prefetches at lookup stay in flight
+for several engine steps.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kvdi.settings import KvdiSettings
 from kvdi.settings.sections import SharedStorageSettings
 
 WRITE_DELAY_S = 1.0
+READ_DELAY_S = 0.3
 
 
 class SlowWrites(FileBlockStore):
@@ -31,9 +34,28 @@ class SlowWrites(FileBlockStore):
         return super().put_many(items)
 
 
+class SlowReads(FileBlockStore):
+    """:class:`FileBlockStore` whose reads take :data:`READ_DELAY_S` longer (its lookups do not)."""
+
+    prefers_async_load = True  # remote, as far as kvdi can tell
+
+    def get_many(self, keys: Sequence[bytes]) -> Any:
+        time.sleep(READ_DELAY_S)
+        return super().get_many(keys)
+
+
 def open_slow_store(options: SharedStorageSettings, layout: KVCacheSpec, settings: KvdiSettings) -> SlowWrites:
     del settings
     store = SlowWrites(
+        Path(options.path), options.max_bytes, mode=options.mode, object_bytes=HEADER_SIZE + layout.block_bytes
+    )
+    store.open()
+    return store
+
+
+def open_slow_reads(options: SharedStorageSettings, layout: KVCacheSpec, settings: KvdiSettings) -> SlowReads:
+    del settings
+    store = SlowReads(
         Path(options.path), options.max_bytes, mode=options.mode, object_bytes=HEADER_SIZE + layout.block_bytes
     )
     store.open()
@@ -47,4 +69,12 @@ SLOW_STORAGE = ConnectorSpec(
     backend="slow_store:open_slow_store",
     settings="shared_storage",
     description="shared_storage with slow writes (tests)",
+)
+SLOW_READS = ConnectorSpec(
+    "slow_reads",
+    "kvdi.connectors.store:StoreSchedulerConnector",
+    "kvdi.connectors.store:StoreWorkerConnector",
+    backend="slow_store:open_slow_reads",
+    settings="shared_storage",
+    description="shared_storage with slow reads (tests)",
 )

@@ -11,7 +11,7 @@ held (``delay_free=True``) until the worker half reports it in ``get_finished``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvdi.connectors.base import (
@@ -24,8 +24,10 @@ from kvdi.connectors.base import (
     SchedulerOutput,
     loadable_tokens,
 )
+from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.keys import block_keys
 from kvdi.connectors.store.plan import RequestPlan
+from kvdi.connectors.store.prefetch import ASK_AGAIN, PrefetchPlanner
 from kvdi.connectors.store.protocol import prefers_async_load, require_store
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,8 @@ class StoreTransferMetadata(BlockTransferMetadata):
 
     async_loads: tuple[BlockTransfer, ...] = ()
     async_save: bool = False
+    prefetches: tuple[BlockTransfer, ...] = ()  # keys to fetch into host staging (:mod:`.prefetch`)
+    prefetch_drops: tuple[str, ...] = ()  # requests whose staging is of no more use
 
 
 class StoreSchedulerConnector(SchedulerConnector):
@@ -54,6 +58,20 @@ class StoreSchedulerConnector(SchedulerConnector):
         self._transfer = context.settings.transfer
         self._plans: dict[str, RequestPlan] = {}
         self._async_loads: dict[str, BlockTransfer] = {}
+        self.prefetch: PrefetchPlanner | None = None  # set by a host that relays the worker's reports
+
+    def enable_prefetch(self) -> bool:
+        """Called by a host that relays :meth:`prefetched` reports (the vLLM adapter); True when
+        ``transfer.async_load=prefetch`` is set, so lookups prefetch into host staging from now on."""
+        if self._transfer.async_load == "prefetch" and self.prefetch is None:
+            frame = self._block_bytes + HEADER_SIZE
+            self.prefetch = PrefetchPlanner(self._transfer.prefetch_max_bytes, frame)
+        return self.prefetch is not None
+
+    def prefetched(self, reports: Iterable[tuple[str, int]]) -> None:
+        """The worker half's reports of finished prefetches: ``(request, leading blocks staged)``."""
+        if self.prefetch is not None:
+            self.prefetch.reported(reports)
 
     def _plan(self, request: KVRequest) -> RequestPlan:
         plan = self._plans.get(request.request_id)
@@ -65,11 +83,33 @@ class StoreSchedulerConnector(SchedulerConnector):
     def load_async(self, num_blocks: int) -> bool:
         """Whether a hit of ``num_blocks`` loads asynchronously under ``transfer.async_load``."""
         mode = self._transfer.async_load
-        if mode != "auto":
-            return mode == "on"
+        if mode in ("on", "off"):
+            return mode == "on"  # prefetch without a host that relays its reports, or past its bound: auto
         return prefers_async_load(self.store) or num_blocks * self._block_bytes >= ASYNC_LOAD_MIN_BYTES
 
     def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens to load beyond ``num_computed_tokens`` and whether the load is asynchronous; with prefetch,
+        ``(None, False)`` (ask again) while the hit is fetched into host staging, then a synchronous load
+        of exactly the blocks that arrived (no second lookup in the store)."""
+        if self.prefetch is not None:
+            first = num_computed_tokens // self._block_size
+            ready = self.prefetch.ready(request.request_id, first)
+            if ready is ASK_AGAIN:
+                return None, False  # type: ignore[return-value]  # vLLM's "ask again": the request waits a step
+            if ready >= 0:
+                plan = self._plan(request)
+                plan.load_accepted, plan.load_async = False, False
+                plan.load_from_tokens, plan.load_start, plan.load_end = num_computed_tokens, first, ready
+                return max(0, ready * self._block_size - num_computed_tokens), False
+        n, load_async = self._lookup(request, num_computed_tokens)
+        if self.prefetch is not None and n:
+            plan = self._plans[request.request_id]
+            if self.prefetch.start(request.request_id, plan.load_start, plan.keys[plan.load_start : plan.load_end]):
+                plan.load_start = plan.load_end = 0
+                return None, False  # type: ignore[return-value]
+        return n, load_async
+
+    def _lookup(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool]:
         self.stats.lookups += 1
         plan = self._plan(request)
         plan.load_accepted = plan.load_async = False
@@ -133,6 +173,8 @@ class StoreSchedulerConnector(SchedulerConnector):
                 if end > plan.load_start:
                     span = slice(plan.load_start, end)
                     loads.append(BlockTransfer(rid, tuple(sched.block_ids[span]), tuple(plan.keys[span])))
+                if self.prefetch is not None:
+                    self.prefetch.loaded(rid)  # the worker frees its staging with this load
                 plan.load_accepted = False
                 plan.load_start = plan.load_end = 0
             if producer:
@@ -144,11 +186,14 @@ class StoreSchedulerConnector(SchedulerConnector):
                     plan.held = plan.held or async_save
         for rid in output.finished_req_ids:
             self._plans.pop(rid, None)
-        return StoreTransferMetadata(tuple(loads), tuple(saves), async_loads, async_save)
+        prefetches, drops = self.prefetch.take() if self.prefetch is not None else ((), ())
+        return StoreTransferMetadata(tuple(loads), tuple(saves), async_loads, async_save, prefetches, drops)
 
     def request_finished(self, request: KVRequest, block_ids: Sequence[int]) -> tuple[bool, dict[str, object] | None]:
         """Hold the blocks (``delay_free``) when an asynchronous transfer of this request reached the worker."""
         self._async_loads.pop(request.request_id, None)  # planned, never sent: nothing to wait for
+        if self.prefetch is not None:
+            self.prefetch.release(request.request_id)  # its staging, if any, is dropped next step
         plan = self._plans.pop(request.request_id, None)
         return plan is not None and plan.held, None
 

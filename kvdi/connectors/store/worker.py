@@ -33,8 +33,9 @@ from kvdi.connectors.base import (
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer, frame_header, unframe
 from kvdi.connectors.store.integrity import frame_key
-from kvdi.connectors.store.protocol import StoreCapabilities, require_store, written_count
-from kvdi.connectors.store.reads import ReadChunk, read_chunk, verify_chunk
+from kvdi.connectors.store.prefetch import HostStaging
+from kvdi.connectors.store.protocol import BlockStore, StoreCapabilities, require_store, written_count
+from kvdi.connectors.store.reads import ReadAhead, ReadChunk, read_chunk, verify_chunk
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue, add_stats
 
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20  # payload bytes per store call (at least one block): stays in L2 between checksum and copy
 READAHEAD_BYTES = 64 << 20  # how far ahead of the chunk being read a store with prefetch() is asked to read
 _IO_THREAD = {"on": True, "off": False, "auto": None}
+_STAGED = StoreCapabilities(read_into=False, prefers_async_load=False, num_slots=None, check=None)  # host staging
 
 
 class StoreWorkerConnector(WorkerConnector):
@@ -78,6 +80,8 @@ class StoreWorkerConnector(WorkerConnector):
         self._executor: ThreadPoolExecutor | None = None
         self._cpus: int | None = None
         self._queue = TransferQueue(self.name, transfer.max_inflight_bytes)
+        staging = HostStaging(self.store, transfer.prefetch_max_bytes, self._frame_bytes, self.name)
+        self.staging = staging if transfer.async_load == "prefetch" else None  # lookups' hits (:mod:`.prefetch`)
         self._async_save = transfer.async_save
         self._held: set[str] = set()  # requests with asynchronous transfers: reported when finished and done
         self._finishing: set[str] = set()
@@ -129,6 +133,8 @@ class StoreWorkerConnector(WorkerConnector):
         super().bind_connector_metadata(metadata)
         if isinstance(metadata, StoreTransferMetadata):
             self._held.update(t.request_id for t in metadata.async_loads)
+            if self.staging is not None:
+                self.staging.apply(metadata.prefetches, metadata.prefetch_drops)
         if isinstance(metadata, BlockTransferMetadata) and self._async_save:
             self._held.update(t.request_id for t in metadata.saves)
 
@@ -172,7 +178,13 @@ class StoreWorkerConnector(WorkerConnector):
         return sending or None, received or None
 
     def wait_for_loads(self, timeout_s: float) -> bool:  # up to timeout_s, GIL released; True once a load finished
+        if self.staging is not None and self.staging.in_flight and not self._queue.loads_in_flight:
+            return self.staging.wait(timeout_s)  # an idle step while lookups' prefetches run
         return self._queue.wait_loads(timeout_s)
+
+    def prefetch_reports(self) -> list[tuple[str, int]]:
+        """Prefetches finished since the last call, ``(request, leading blocks staged)``, for the scheduler half."""
+        return self.staging.reports() if self.staging is not None else []
 
     def handle_preemptions(self, preempted_req_ids: Collection[str] | None = None) -> None:
         """Finish the jobs of requests whose blocks the engine is about to reuse (vLLM's preemption hook: it frees
@@ -219,8 +231,9 @@ class StoreWorkerConnector(WorkerConnector):
         """Load one request's blocks chunk by chunk; return the block ids not loaded (from the first bad one on)."""
         ids, keys = transfer.block_ids, transfer.block_keys
         spans = [(s, min(s + self._chunk, len(ids))) for s in range(0, len(ids), self._chunk)]
-        read = partial(read_chunk, self.store, self.capabilities, self._unframe, io)
-        readahead = _Readahead(self.capabilities.prefetch, keys, self._readahead)
+        store, caps = self._source(transfer.request_id)
+        read = partial(read_chunk, store, caps, self._unframe, io)
+        readahead = ReadAhead(caps.prefetch, keys, self._readahead)
         ahead = executor.submit(read, ids[: spans[0][1]], keys[: spans[0][1]]) if executor and spans else None
         for k, (start, end) in enumerate(spans):
             readahead.before(start)
@@ -242,6 +255,11 @@ class StoreWorkerConnector(WorkerConnector):
                     wait([ahead])  # it writes into blocks about to be recomputed: let it finish first
                 return ids[start + good :]
         return ()
+
+    def _source(self, request_id: str) -> tuple[BlockStore, StoreCapabilities]:
+        """Where a request's load reads: its prefetched host staging (taken whole, then the store), else the store."""
+        staged = self.staging.take(request_id) if self.staging is not None else None
+        return (staged, _STAGED) if staged is not None else (self.store, self.capabilities)
 
     def _load_one_by_one(self, io: CacheIO, ids: Sequence[int], keys: Sequence[bytes], stats: ConnectorStats) -> int:
         """Read a failed chunk's objects singly; return how many leading ones are in place."""
@@ -368,33 +386,13 @@ class StoreWorkerConnector(WorkerConnector):
         """Finish every queued transfer, then stop the threads."""
         self.flush()
         self._queue.shutdown()
+        if self.staging is not None:
+            self.staging.shutdown()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
         self._staging.clear()
         self._io = None
-
-
-class _Readahead:
-    """Keeps a store's ``prefetch`` about ``window`` blocks ahead of the reads of one load, while it pays."""
-
-    def __init__(self, prefetch: Callable[[Sequence[bytes]], bool] | None, keys: Sequence[bytes], window: int) -> None:
-        self._prefetch, self._keys, self._window, self._upto = prefetch, keys, window, 0
-
-    def before(self, start: int) -> None:
-        """Called before reading from block ``start`` on: ask for the blocks up to ``start + window``."""
-        if self._prefetch is None:
-            return
-        end = min(len(self._keys), start + self._window)
-        if end <= self._upto or (self._upto and end - self._upto < self._window // 4):
-            return  # ask in batches of a quarter window at least
-        try:
-            more = self._prefetch(self._keys[self._upto : end])
-        except Exception:  # a hint only
-            more = False
-        self._upto = end
-        if not more:
-            self._prefetch = None  # the objects are in fast memory: reading ahead buys nothing for this load
 
 
 __all__ = ["CHUNK_BYTES", "READAHEAD_BYTES", "StoreWorkerConnector"]

@@ -92,15 +92,22 @@ class LayoutBridge:
         return rounds
 
     def _metadata(
-        self, loads: tuple[BlockTransfer, ...], saves: tuple[BlockTransfer, ...], markers: tuple[BlockTransfer, ...]
+        self,
+        loads: tuple[BlockTransfer, ...],
+        saves: tuple[BlockTransfer, ...],
+        markers: tuple[BlockTransfer, ...],
+        step: bool = False,
     ) -> KVConnectorMetadata:
-        """One round's metadata, of the step's own type (store and p2p keep theirs: the worker half reads it)."""
+        """One round's metadata (``step``: the step's bookkeeping, bound once), of the step's own type (store
+        and p2p keep theirs: the worker half reads it). Prefetches at lookup go with the bookkeeping only."""
         if self._markers is None:
             return BlockTransferMetadata(loads, saves)
-        sync_saves = {"async_save": False} if isinstance(self._template, StoreTransferMetadata) else {}
+        store: dict[str, Any] = {}
+        if isinstance(self._template, StoreTransferMetadata):
+            store = {"async_save": False} if step else {"async_save": False, "prefetches": (), "prefetch_drops": ()}
         return cast(
             KVConnectorMetadata,
-            replace(cast(Any, self._template), loads=loads, saves=saves, async_loads=markers, **sync_saves),
+            replace(cast(Any, self._template), loads=loads, saves=saves, async_loads=markers, **store),
         )
 
     def bind(self, metadata: KVConnectorMetadata) -> KVConnectorMetadata:
@@ -115,7 +122,7 @@ class LayoutBridge:
             self._markers = tuple(BlockTransfer(t.request_id, (), ()) for t in async_loads)
         self._load_rounds = self._rounds((*metadata.loads, *(async_loads or ())))
         self._save_rounds = self._rounds(metadata.saves)
-        return self._metadata((), (), self._markers or ())
+        return self._metadata((), (), self._markers or (), step=True)
 
     def _bind_round(self, transfers: Round, saves: bool, last: bool) -> list[tuple[int, int]]:
         """Bind one round on the worker half, its blocks mapped to scratch slots 0..n; the (block, slot) pairs."""

@@ -15,19 +15,15 @@ half always reports instead of raising). Counters go out through
 when nothing moved) and, when ``kv_connector_extra_config["kvdi_stats_dir"]`` is set, as
 cumulative JSON files (:mod:`.stats`).
 
-When a connector's blocks live in the worker's memory
-(:attr:`~kvdi.registry.ConnectorSpec.process_local`) and vLLM runs the scheduler in
-another process, the scheduler half looks blocks up in a :class:`BlockIndex` that the
-worker keeps current through vLLM's worker-to-scheduler metadata, bounded by the
-backend's capacity.
+When a connector's blocks live in the worker's memory (:attr:`~kvdi.registry.ConnectorSpec.process_local`)
+and vLLM runs the scheduler in another process, the scheduler half looks blocks up in a :class:`BlockIndex`
+that the worker keeps current through vLLM's worker-to-scheduler metadata, bounded by the backend's capacity.
+Under tensor or pipeline parallelism each worker rank stores and loads its own slice of every block under its
+own key, and the scheduler offers a block only when every rank's slice is stored (:mod:`.parallel`).
 
-Under tensor or pipeline parallelism each worker rank stores and loads its own slice of
-every block under its own key, and the scheduler offers a block only when every rank's
-slice is stored (:mod:`.parallel`).
-
-Asynchronous loads are reported in the step they finish in, a request ended while parked is freed
-once (:mod:`.async_loads`); vLLM's scheduler sees held saves (:mod:`.pending`); ``handle_preemptions``
-flushes the preempted requests' transfers before their blocks are reused.
+Asynchronous loads are reported in the step they finish in, a request ended while parked is freed once
+(:mod:`.async_loads`); hits may be prefetched at lookup (:mod:`.prefetch`); vLLM's scheduler sees held saves
+(:mod:`.pending`); ``handle_preemptions`` flushes preempted requests' transfers before their blocks are reused.
 
 With vLLM's hybrid KV cache manager (``SupportsHMA``) a model may have several KV cache
 groups (sliding window, Mamba beside full attention): each group is planned, keyed and
@@ -64,6 +60,7 @@ from kvdi.integrations.vllm.halves import open_hybrid, open_single
 from kvdi.integrations.vllm.hybrid import HybridScheduler, HybridWorker
 from kvdi.integrations.vllm.layout import kvdi_layer_view, layout_from_vllm, ordered_layers, rank_slice
 from kvdi.integrations.vllm.pending import HeldSaves, PendingWorkHooks, wait_for_loads
+from kvdi.integrations.vllm.prefetch import PrefetchHooks
 from kvdi.integrations.vllm.requests import RequestTracker
 from kvdi.integrations.vllm.shared import SHARED
 from kvdi.integrations.vllm.stats import AdapterStats, StatsReporter, check_engine_id, write_stats_file
@@ -74,7 +71,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures only its own logger tree
 
 
-class KvdiConnector(FleetHooks, PendingWorkHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unused-ignore]
+class KvdiConnector(FleetHooks, PendingWorkHooks, PrefetchHooks, KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unused-ignore]
     """vLLM's KVConnectorBase_V1 over kvdi's connector halves (one role per instance).
 
     A bad kvdi setting raises a :class:`~kvdi.errors.KvdiError` from the constructor, after
@@ -137,6 +134,7 @@ class KvdiConnector(FleetHooks, PendingWorkHooks, KVConnectorBase_V1, SupportsHM
         self._async = WorkerLoads(self.counts, self.half.context.settings.transfer.idle_load_wait_ms / 1000)
         self._counts_reporter = StatsReporter(self.counts)
         self._fleet_setup(vllm_config, worker)  # events, hit sources, reset, metrics (.events)
+        self._prefetch_setup()  # async_load=prefetch (.prefetch)
         self._closed = False
         groups = "; ".join(g.tag() for g in self.groups)
         logger.info(
@@ -167,6 +165,8 @@ class KvdiConnector(FleetHooks, PendingWorkHooks, KVConnectorBase_V1, SupportsHM
         """Tokens kvdi can load beyond ``num_computed_tokens`` (vLLM's local prefix-cache hit; 0 for producers)."""
         req = self._fleet_request(self._tracker, request)
         n, load_async = self.scheduler_half.get_num_new_matched_tokens(req, num_computed_tokens)
+        if n is None:  # prefetching into host staging: vLLM asks again next step
+            return None, False
         self._fleet_looked_up(req, num_computed_tokens, n)
         self._parked.offer(req.request_id, bool(load_async and n))
         return n, bool(load_async and n)
@@ -213,6 +213,7 @@ class KvdiConnector(FleetHooks, PendingWorkHooks, KVConnectorBase_V1, SupportsHM
         """Apply the worker's report of stored and vanished keys to the scheduler's :class:`BlockIndex`."""
         self._fleet_worker_events(connector_output)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self._prefetch_reported(meta.prefetched if isinstance(meta, KvdiWorkerMetadata) else ())
         self._held_saves.sent(getattr(connector_output, "finished_sending", None))
         if isinstance(self._scheduler, HybridScheduler):  # recomputed from scratch: store them again
             self._scheduler.load_failed(getattr(connector_output, "failed_recving", None) or ())
@@ -355,10 +356,11 @@ class KvdiConnector(FleetHooks, PendingWorkHooks, KVConnectorBase_V1, SupportsHM
         return errors
 
     def build_connector_worker_meta(self) -> KvdiWorkerMetadata | None:
-        """Keys stored or found gone this step, for the scheduler's :class:`BlockIndex` (None otherwise)."""
-        if not (self._stored_keys or self._dropped_keys):
+        """Keys stored or found gone (for a :class:`BlockIndex`), prefetches that finished; None when neither."""
+        prefetched = self._prefetch_reports()
+        if not (self._stored_keys or self._dropped_keys or prefetched):
             return None
-        meta = KvdiWorkerMetadata(tuple(self._stored_keys), tuple(self._dropped_keys))
+        meta = KvdiWorkerMetadata(tuple(self._stored_keys), tuple(self._dropped_keys), prefetched)
         self._stored_keys, self._dropped_keys = [], []
         return meta
 

@@ -19,15 +19,19 @@ from kvdi.connectors.base import KVConnectorMetadata
 
 @dataclass
 class KvdiWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc,unused-ignore]
-    """Worker to scheduler, per step: keys stored and keys found gone (only for a :class:`BlockIndex`)."""
+    """Worker to scheduler, per step: keys stored and keys found gone (only for a :class:`BlockIndex`), and
+    prefetches at lookup that finished, ``(request, leading blocks staged)`` (:mod:`.prefetch`)."""
 
     stored: tuple[bytes, ...] = ()
     dropped: tuple[bytes, ...] = ()
+    prefetched: tuple[tuple[str, int], ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KvdiWorkerMetadata:
         if not isinstance(other, KvdiWorkerMetadata):
             return self
-        return KvdiWorkerMetadata(self.stored + other.stored, self.dropped + other.dropped)
+        return KvdiWorkerMetadata(
+            self.stored + other.stored, self.dropped + other.dropped, self.prefetched + other.prefetched
+        )
 
 
 @dataclass

@@ -73,8 +73,10 @@ class PendingWorkHooks:
         return self._held_saves.best_effort and bool(self._held_saves.held)
 
     def has_pending_push_work(self) -> bool:
-        """True while held saves are still to be reported, so the engine steps until their blocks come back."""
-        return bool(self._held_saves.held)
+        """True while held saves are still to be reported, so the engine steps until their blocks come back,
+        or while prefetch staging of ended requests is still to be dropped (the next step tells the worker)."""
+        prefetch = getattr(getattr(self, "_scheduler", None), "prefetch", None)
+        return bool(self._held_saves.held) or bool(prefetch is not None and prefetch.drops_due)
 
     @property
     def requires_kv_delivery(self) -> bool:

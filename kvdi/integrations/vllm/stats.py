@@ -47,7 +47,8 @@ class AdapterStats:
     ``async_load_steps`` and ``load_steps_1`` .. ``load_steps_4_or_more`` (engine steps each
     asynchronous load spanned, summed and as a histogram: :mod:`.async_loads`),
     ``idle_load_waits`` / ``idle_load_wait_seconds`` (empty steps that waited for a load:
-    :mod:`.pending`).
+    :mod:`.pending`). ``prefetch_reported`` / ``prefetch_staged_blocks`` (scheduler: prefetches at
+    lookup the worker finished, and the blocks they staged: :mod:`.prefetch`).
     """
 
     async_load_requests: int = 0
@@ -61,6 +62,8 @@ class AdapterStats:
     load_steps_4_or_more: int = 0
     idle_load_waits: int = 0
     idle_load_wait_seconds: float = 0.0
+    prefetch_reported: int = 0
+    prefetch_staged_blocks: int = 0
 
 
 class StatsReporter:

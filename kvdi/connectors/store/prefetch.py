@@ -1,0 +1,273 @@
+"""Prefetch at lookup: a remote or cold hit is fetched into bounded host staging before vLLM allocates blocks.
+
+The pattern of vLLM's tiered offloading and LMCache's asynchronous lookup. With
+``transfer.async_load=prefetch`` (and a host that relays the worker's reports, as the vLLM
+adapter does), a lookup that finds a hit answers "ask again" (``None``) and sends the hit's keys
+to the worker half (``StoreTransferMetadata.prefetches``), which fetches the framed objects into
+host memory in the background (:class:`HostStaging`), holding no KV block during network time.
+The worker reports each finished prefetch (how many leading objects arrived); the next lookup
+then offers exactly those blocks as a synchronous load, which reads them from staging (a copy,
+each frame verified as any load: a corrupt one is a counted miss and recomputed).
+
+Both sides bound the staging by ``transfer.prefetch_max_bytes``: past it the scheduler takes the
+plain path (a load from the store) and the worker refuses (reports 0 blocks: a miss). A request
+that finishes or is aborted before its load frees its staging (``prefetch_drops``); a load frees
+what it read and the rest of its request's staging.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from kvdi.connectors.base import BlockTransfer
+from kvdi.connectors.store.framing import Buffer
+from kvdi.connectors.store.protocol import BlockStore
+
+logger = logging.getLogger(__name__)
+
+ASK_AGAIN = None
+"""What a lookup answers while its prefetch runs (vLLM's "cannot tell yet": the request waits a step)."""
+
+
+@dataclass
+class _Planned:
+    first: int  # the block the prefetched keys start at
+    keys: tuple[bytes, ...]
+    nbytes: int
+    ready: int | None = None  # leading objects staged, once reported
+
+
+class PrefetchPlanner:
+    """Scheduler side: which requests' hits are being prefetched, and the bytes reserved for them."""
+
+    def __init__(self, max_bytes: int, frame_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.frame_bytes = frame_bytes
+        self.reserved = 0
+        self._planned: dict[str, _Planned] = {}
+        self._send: list[BlockTransfer] = []
+        self._drops: list[str] = []
+        self.fallbacks = 0  # hits past the bound: loaded the plain way
+
+    def ready(self, request_id: str, first: int) -> int | None:
+        """For a request whose lookup starts at block ``first``: ``None`` (ask again) while its prefetch runs;
+        once done, the block its staged hit ends at (a load of ``[first, end)``), or -1 for a plain lookup
+        (no prefetch, or one of no use: vLLM's own hit moved past it or before it, which drops it)."""
+        planned = self._planned.get(request_id)
+        if planned is None:
+            return -1
+        if planned.ready is None:
+            return ASK_AGAIN
+        end = planned.first + planned.ready
+        if first < planned.first or first > end:
+            self.release(request_id)
+            return -1
+        return end
+
+    def start(self, request_id: str, first: int, keys: Sequence[bytes]) -> bool:
+        """Plan the prefetch of a hit of ``keys`` from block ``first``; False past the bound (the plain path)."""
+        nbytes = len(keys) * self.frame_bytes
+        if not keys or self.reserved + nbytes > self.max_bytes:
+            self.fallbacks += 1
+            return False
+        self._planned[request_id] = _Planned(first, tuple(keys), nbytes)
+        self.reserved += nbytes
+        self._send.append(BlockTransfer(request_id, tuple(range(first, first + len(keys))), tuple(keys)))  # positions
+        return True
+
+    def loaded(self, request_id: str) -> None:
+        """The staged blocks were planned as a load: the worker frees them with it."""
+        planned = self._planned.pop(request_id, None)
+        if planned is not None:
+            self.reserved -= planned.nbytes
+
+    def release(self, request_id: str) -> None:
+        """The request ended (or its prefetch is of no use): the worker drops its staging."""
+        planned = self._planned.pop(request_id, None)
+        if planned is not None:
+            self.reserved -= planned.nbytes
+            self._drops.append(request_id)
+
+    def reported(self, reports: Iterable[tuple[str, int]]) -> None:
+        """The worker's reports: ``(request, leading objects staged)`` per finished prefetch."""
+        for request_id, count in reports:
+            planned = self._planned.get(request_id)
+            if planned is not None and planned.ready is None:
+                planned.ready = max(0, min(int(count), len(planned.keys)))
+
+    def take(self) -> tuple[tuple[BlockTransfer, ...], tuple[str, ...]]:
+        """This step's prefetches to start and staging to drop (each sent once)."""
+        send, drops = tuple(self._send), tuple(self._drops)
+        self._send, self._drops = [], []
+        return send, drops
+
+    @property
+    def pending(self) -> int:
+        return len(self._planned)
+
+    @property
+    def drops_due(self) -> bool:
+        """Staging of ended requests not yet dropped: the host should step once more to tell the worker."""
+        return bool(self._drops)
+
+
+@dataclass
+class _Staged:
+    nbytes: int
+    objects: dict[bytes, Buffer] = field(default_factory=dict)
+    future: Future[int] | None = None
+    dropped: bool = False
+
+
+class HostStaging:
+    """Worker side: prefetched framed objects in host memory, by request, at most ``max_bytes`` in all."""
+
+    def __init__(self, store: BlockStore, max_bytes: int, frame_bytes: int, name: str, threads: int = 2) -> None:
+        self.store = store
+        self.max_bytes = max_bytes
+        self.frame_bytes = frame_bytes
+        self.name = name
+        self._threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._staged: dict[str, _Staged] = {}
+        self._reports: list[tuple[str, int]] = []
+        self.refused = 0  # prefetches past the bound: reported as misses
+        self.failed = 0  # prefetches the store failed: reported as misses
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes reserved for staged or running prefetches."""
+        with self._lock:
+            return sum(s.nbytes for s in self._staged.values())
+
+    @property
+    def requests(self) -> set[str]:
+        with self._lock:
+            return set(self._staged)
+
+    def apply(self, prefetches: Sequence[BlockTransfer], drops: Sequence[str]) -> None:
+        """Drop the staging of ``drops``, then start ``prefetches`` (a request's keys each)."""
+        for request_id in drops:
+            self.drop(request_id)
+        for t in prefetches:
+            self.start(t.request_id, t.block_keys)
+
+    def start(self, request_id: str, keys: Sequence[bytes]) -> None:
+        nbytes = len(keys) * self.frame_bytes
+        with self._lock:
+            if request_id in self._staged or self.held_bytes_locked() + nbytes > self.max_bytes:
+                self.refused += 1
+                self._reports.append((request_id, 0))
+                return
+            staged = self._staged[request_id] = _Staged(nbytes)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=f"kvdi-{self.name}-prefetch")
+        staged.future = self._pool.submit(self._fetch, request_id, staged, tuple(keys))
+
+    def held_bytes_locked(self) -> int:
+        return sum(s.nbytes for s in self._staged.values())
+
+    def _fetch(self, request_id: str, staged: _Staged, keys: tuple[bytes, ...]) -> int:
+        """Background: the leading present objects of ``keys`` (one store call), staged; how many."""
+        try:
+            objects = self.store.get_many(keys)
+            if not isinstance(objects, list) or len(objects) != len(keys):
+                raise TypeError(f"get_many returned {type(objects).__name__} for {len(keys)} keys")
+        except Exception as exc:  # the medium failed: a miss, recomputed
+            with self._lock:
+                self.failed += 1
+            logger.warning("kv connector %r: prefetch of %d blocks failed, recomputing: %r", self.name, len(keys), exc)
+            objects = []
+        count = 0
+        with self._lock:
+            for key, obj in zip(keys, objects, strict=False):
+                if obj is None or memoryview(obj).nbytes > self.frame_bytes:
+                    break  # a gap or an odd object ends the hit; the load verifies the rest
+                staged.objects[key] = obj
+                count += 1
+            if staged.dropped:
+                staged.objects.clear()
+            else:
+                self._reports.append((request_id, count))
+        return count
+
+    def reports(self) -> list[tuple[str, int]]:
+        """Prefetches finished since the last call: ``(request, leading objects staged)``."""
+        with self._lock:
+            out, self._reports = self._reports, []
+        return out
+
+    def drop(self, request_id: str) -> None:
+        """Free a request's staging now (a running fetch frees it when it ends)."""
+        with self._lock:
+            staged = self._staged.pop(request_id, None)
+            if staged is not None:
+                staged.dropped = True
+                staged.objects.clear()
+
+    def take(self, request_id: str) -> StagedReader | None:
+        """A finished prefetch's objects, taken out of staging (freed with the returned view), as a store view
+        for the request's load; None when the request has none (or its fetch still runs: the store serves)."""
+        with self._lock:
+            staged = self._staged.get(request_id)
+            if staged is None or staged.future is None or not staged.future.done():
+                return None
+            del self._staged[request_id]
+        return StagedReader(staged.objects, self.store)
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(1 for s in self._staged.values() if s.future is not None and not s.future.done())
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until a running prefetch ends (GIL released); True when one did or none ran."""
+        with self._lock:
+            running = [s.future for s in self._staged.values() if s.future is not None and not s.future.done()]
+        if not running:
+            return True
+        done, _ = wait(running, timeout=timeout_s, return_when=FIRST_COMPLETED)
+        return bool(done)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        with self._lock:
+            self._staged.clear()
+
+
+class StagedReader:
+    """A :class:`BlockStore` view for one load: its staged objects first (each handed out once), then the store."""
+
+    def __init__(self, objects: dict[bytes, Buffer], store: BlockStore) -> None:
+        self._objects = objects
+        self._store = store
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        objects = [self._objects.pop(k, None) for k in keys]
+        missing = [i for i, o in enumerate(objects) if o is None]
+        if missing:
+            for i, obj in zip(missing, self._store.get_many([keys[i] for i in missing]), strict=True):
+                objects[i] = obj
+        return objects
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        return self._store.count_prefix(keys)
+
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
+        return self._store.put_many(items)
+
+    def discard(self, key: bytes) -> None:
+        self._store.discard(key)
+
+    def close(self) -> None:
+        """The store is the worker's: closing a view closes nothing."""
+
+
+__all__ = ["ASK_AGAIN", "HostStaging", "PrefetchPlanner", "StagedReader"]

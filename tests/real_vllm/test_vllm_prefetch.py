@@ -1,0 +1,191 @@
+"""Prefetch at lookup (``transfer.async_load=prefetch``) inside real vLLM engines (issue 17, item 4).
+
+A lookup that finds a hit answers vLLM "ask again" while kvdi's worker fetches the hit into bounded host
+staging (the request holds no KV block meanwhile); the worker's report travels back through vLLM's
+worker-to-scheduler metadata, and the next lookup loads exactly the staged blocks synchronously, from host
+memory. Shown here:
+
+- Redis (one server) with vLLM's in-process and its multiprocess engine core, and a 3-master Redis
+  Cluster: greedy tokens equal no connector, every hit loaded through staging;
+- a store with slow reads (a remote store, as far as timing goes), 24 concurrent requests, a staging
+  bound that fits 4 of their hits: the bound holds at every engine step, the other hits take the plain
+  path, two requests aborted while their prefetch runs free their staging, and a corrupt object under
+  prefetch is a counted miss whose request is recomputed; staging and reservation are empty once drained;
+- ``kv_load_failure_policy=fail``: the request whose staged block is corrupt fails, the others are served.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.real_vllm.vllm_support import (
+    HERE,
+    IN_PROCESS,
+    block_file,
+    expected_blocks,
+    expected_saved,
+    kv_config,
+    make_prompts,
+    read_stats,
+    require_vllm,
+    run_engine,
+)
+
+require_vllm()
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+MULTIPROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+PROBE = HERE / "prefetch_probe.py"
+FRAME_BYTES = 32768 + 88  # the tiny Llama's block (2 layers, K and V, 32 tokens x 2 heads x 32 x fp32) + header
+MANY = make_prompts(24, 100, seed=7)  # 3 loadable blocks each
+BOUND = 4 * 3 * FRAME_BYTES  # host staging for 4 of those hits
+
+
+def _require_redis() -> None:
+    import os
+
+    from kvdi.testing.redis_server import INSTALL_HINT, find_redis_server
+
+    if find_redis_server() is None or shutil.which("redis-cli") is None:
+        message = f"redis-server / redis-cli not found; {INSTALL_HINT}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory, base_spec: dict[str, Any]) -> Any:
+    """A Redis server on loopback holding the prompts' KV, stored by one engine (no prefetch)."""
+    from kvdi.testing.redis_server import RedisServer
+
+    _require_redis()
+    work = tmp_path_factory.mktemp("prefetch-redis")
+    with RedisServer() as server:
+        kv = kv_config("redis", stats_dir=work / "stats", redis__url=server.url)
+        run_engine(work, "redis-producer", {**base_spec, "kv": kv}, env=IN_PROCESS)
+        yield server.url, work
+
+
+@pytest.mark.parametrize("mode", ["in-process", "multiprocess"])
+def test_redis_hits_are_prefetched_then_loaded_with_the_tokens_of_no_connector(
+    mode: str,
+    redis_url: tuple[str, Path],
+    base_spec: dict[str, Any],
+    prompts: list[list[int]],
+    baseline_tokens: list[list[int]],
+) -> None:
+    url, work = redis_url
+    stats = work / f"stats-{mode}"
+    kv = kv_config("redis", stats_dir=stats, redis__url=url, transfer__async_load="prefetch")
+    env = IN_PROCESS if mode == "in-process" else MULTIPROCESS
+    result = run_engine(work, f"prefetch-{mode}", {**base_spec, "kv": kv}, env=env)
+
+    assert result["rounds"][0]["tokens"] == baseline_tokens
+    scheduler, worker = read_stats(stats, "scheduler"), read_stats(stats, "worker")
+    with_hits = sum(1 for p in prompts if expected_blocks([p]))
+    print(f"\n{mode}: scheduler {scheduler}\nworker {worker}")
+    # Every hit went through staging: reported by the worker, then loaded synchronously (no parked request).
+    assert scheduler["prefetch_reported"] == with_hits
+    assert scheduler["prefetch_staged_blocks"] == worker["loaded_blocks"] == expected_blocks(prompts)
+    assert scheduler.get("async_load_requests", 0) == 0 and worker["corrupt_dropped"] == 0
+    assert "prefetch at lookup on" in Path(result["log"]).read_text()
+
+
+def test_redis_cluster_hits_are_prefetched_then_loaded(
+    tmp_path: Path, base_spec: dict[str, Any], prompts: list[list[int]], baseline_tokens: list[list[int]]
+) -> None:
+    from kvdi.testing.redis_server import RedisClusterServers
+
+    _require_redis()
+    with RedisClusterServers(masters=3) as cluster:
+        stats = [tmp_path / "stats-producer", tmp_path / "stats-consumer"]
+        common = {"redis__url": cluster.url, "redis__cluster": True}
+        run_engine(
+            tmp_path, "producer", {**base_spec, "kv": kv_config("redis", stats_dir=stats[0], **common)}, IN_PROCESS
+        )
+        kv = kv_config("redis", stats_dir=stats[1], transfer__async_load="prefetch", **common)
+        result = run_engine(tmp_path, "consumer", {**base_spec, "kv": kv}, env=IN_PROCESS)
+
+    assert result["rounds"][0]["tokens"] == baseline_tokens
+    assert read_stats(stats[0], "worker")["saved_blocks"] == expected_saved(prompts)
+    assert read_stats(stats[1], "scheduler")["prefetch_staged_blocks"] == expected_blocks(prompts)
+    assert read_stats(stats[1], "worker")["loaded_blocks"] == expected_blocks(prompts)
+
+
+@pytest.fixture(scope="module")
+def slow_store(tmp_path_factory: pytest.TempPathFactory, base_spec: dict[str, Any]) -> dict[str, Any]:
+    """24 prompts stored in a file store (by an engine of the same store with fast reads); their tokens."""
+    work = tmp_path_factory.mktemp("prefetch-slow")
+    store = work / "store"
+    kv = kv_config("shared_storage", stats_dir=work / "stats", shared_storage__path=str(store))
+    result = run_engine(work, "producer", {**base_spec, "prompts": MANY, "kv": kv}, env=IN_PROCESS)
+    return {"work": work, "store": store, "tokens": result["rounds"][0]["tokens"]}
+
+
+def _corrupt_copy(slow_store: dict[str, Any], name: str) -> Path:
+    """A copy of the store with one payload byte of prompt 0's block 0 flipped."""
+    store = slow_store["work"] / name
+    shutil.copytree(slow_store["store"], store)
+    victim = block_file(store, MANY[0], 0)
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    return store
+
+
+def _slow_kv(store: Path, stats: Path, **extra: Any) -> dict[str, Any]:
+    kv = kv_config(
+        "slow_reads",
+        stats_dir=stats,
+        kv_connector_module_path="slow_store",  # tests/real_vllm/slow_store.py, as a user plugs in a store
+        shared_storage__path=str(store),
+        transfer__async_load="prefetch",
+        transfer__prefetch_max_bytes=BOUND,
+    )
+    kv.update(extra)
+    return kv
+
+
+def test_staging_stays_bounded_under_24_requests_aborts_free_it_and_a_corrupt_block_is_recomputed(
+    slow_store: dict[str, Any], base_spec: dict[str, Any]
+) -> None:
+    work = slow_store["work"]
+    store = _corrupt_copy(slow_store, "store-probe")
+    stats = work / "stats-probe"
+    spec = {**base_spec, "prompts": MANY, "kv": _slow_kv(store, stats), "abort": [1, 2]}
+    result = run_engine(work, "probe", spec, env=IN_PROCESS, script=PROBE)
+
+    probes = result["probes"]
+    print(f"\nprobes: {probes}")
+    tokens, reasons = result["rounds"][0]["tokens"], result["rounds"][0]["finish_reasons"]
+    assert reasons[1:3] == ["abort", "abort"] and probes["aborted_while_staging"] == [1, 2]
+    kept = [i for i in range(len(MANY)) if i not in (1, 2)]
+    assert [tokens[i] for i in kept] == [slow_store["tokens"][i] for i in kept]  # prompt 0 recomputed
+    assert 0 < probes["max_staged_bytes"] <= BOUND and probes["refused"] == 0
+    assert probes["fallbacks"] > 0  # hits past the bound took the plain path
+    assert probes["staged_bytes_at_end"] == probes["staged_requests_at_end"] == probes["reserved_at_end"] == 0
+    assert probes["requests_at_end"] == 0
+    worker = read_stats(stats, "worker")
+    assert worker["corrupt_dropped"] == 1
+
+
+def test_a_corrupt_staged_block_under_fail_policy_fails_only_its_request(
+    slow_store: dict[str, Any], base_spec: dict[str, Any]
+) -> None:
+    work = slow_store["work"]
+    store = _corrupt_copy(slow_store, "store-fail")
+    stats = work / "stats-fail"
+    prompts = MANY[:4]
+    kv = _slow_kv(store, stats, kv_load_failure_policy="fail")
+    result = run_engine(work, "fail", {**base_spec, "prompts": prompts, "kv": kv}, env=IN_PROCESS)
+
+    first = result["rounds"][0]
+    assert first["finish_reasons"][0] == "error"
+    assert first["tokens"][1:] == slow_store["tokens"][1:4]
+    assert read_stats(stats, "worker")["corrupt_dropped"] == 1
+    assert read_stats(stats, "scheduler")["prefetch_reported"] == 4
