@@ -77,6 +77,9 @@ class FleetCounters:
         inflight = getattr(half, "inflight_bytes", None)
         if isinstance(inflight, int):
             values["inflight_bytes|"] = float(inflight)
+        staging = getattr(half, "staging", None)
+        if staging is not None:
+            values["prefetch_staged_bytes|"] = float(staging.held_bytes)
         store = getattr(half, "store", None)
         if store is not None:
             for node, is_open in breaker_states(store).items():

@@ -40,6 +40,11 @@ HISTOGRAMS: dict[str, tuple[str, str]] = {
 }
 GAUGES: dict[str, tuple[str, str, list[str]]] = {
     "inflight_bytes": ("vllm:kvdi_bytes_in_flight", "Bytes of queued asynchronous saves, all ranks.", []),
+    "prefetch_staged_bytes": (
+        "vllm:kvdi_prefetch_staged_bytes",
+        "Host staging held by prefetches at lookup (transfer.async_load=prefetch).",
+        [],
+    ),
     "breaker_open": (
         "vllm:kvdi_redis_breaker_open",
         "Ranks whose circuit breaker for this Redis node is open.",

@@ -125,6 +125,11 @@ def test_misses_gauges_and_histograms_in_the_prometheus_entry() -> None:
     assert worker.entry(None, Half()) == {"g|worker|1-0|inflight_bytes|": 4096.0}
     assert worker.entry(None, Half()) is None
 
+    class Prefetching(Half):
+        staging = type("Staging", (), {"held_bytes": 98568})()
+
+    assert worker.entry(None, Prefetching()) == {"g|worker|1-0|prefetch_staged_bytes|": 98568.0}
+
 
 def test_merged_entries_sum_counters_and_join_observations() -> None:
     a = {"c|worker|saved_blocks": 2, "h|worker|save_seconds": [0.1], "g|worker|0-0|inflight_bytes|": 5.0}
