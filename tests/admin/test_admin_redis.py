@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterator
 
 import pytest
+
+from tests.helpers.redis import require_redis_tools
 
 redis = pytest.importorskip("redis")
 
 from kvdi.admin import clear_store, open_admin, store_stats, verify_store  # noqa: E402
 from kvdi.connectors.redis import RedisBlockStore, RedisClusterBlockStore  # noqa: E402
 from kvdi.settings import RedisSettings, load_settings  # noqa: E402
-from kvdi.testing.redis_server import INSTALL_HINT, RedisClusterServers, RedisServer, find_redis_server  # noqa: E402
+from kvdi.testing.redis_server import RedisClusterServers, RedisServer  # noqa: E402
 from tests.admin.helpers import corruptions, frame, key, kvdi  # noqa: E402
 
 pytestmark = pytest.mark.redis
@@ -78,11 +78,7 @@ def test_single_server_stats_verify_clear(redis_server: RedisServer) -> None:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RedisClusterServers]:
-    if find_redis_server() is None or shutil.which("redis-cli") is None:
-        message = f"redis-server / redis-cli not found; {INSTALL_HINT}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require_redis_tools()
     made = RedisClusterServers(masters=3, replicas=0).start()
     yield made
     made.stop()

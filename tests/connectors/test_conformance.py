@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import uuid
@@ -26,7 +25,8 @@ from kvdi.connectors.shared_storage import FileBlockStore
 from kvdi.connectors.store import BlockStore
 from kvdi.containers import build_kv_container
 from kvdi.testing.conformance import BlockStoreConformance, Halves
-from kvdi.testing.redis_server import INSTALL_HINT, RedisClusterServers, RedisServer, find_redis_server
+from kvdi.testing.redis_server import RedisClusterServers, RedisServer
+from tests.helpers.redis import require_redis_tools
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "store-backend.md"
@@ -72,19 +72,11 @@ class TestMulti(BlockStoreConformance):
         yield from closing(make)
 
 
-def _redis_or_skip() -> None:
-    if find_redis_server() is None or shutil.which("redis-cli") is None:
-        message = f"redis-server / redis-cli not found; {INSTALL_HINT}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-
-
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
     """One real redis-server for the module; every store gets its own key prefix."""
     pytest.importorskip("redis")
-    _redis_or_skip()
+    require_redis_tools()
     with RedisServer() as server:
         yield server.url
 
@@ -93,7 +85,7 @@ def redis_url() -> Iterator[str]:
 def cluster_url() -> Iterator[str]:
     """One real 3-master Redis Cluster for the module; every store gets its own key prefix."""
     pytest.importorskip("redis")
-    _redis_or_skip()
+    require_redis_tools()
     with RedisClusterServers(masters=3) as cluster:
         yield cluster.url
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -12,6 +11,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
+from tests.helpers.redis import require_redis_tools
 
 redis = pytest.importorskip("redis")
 torch = pytest.importorskip("torch")
@@ -25,11 +26,9 @@ from kvdi.errors import ConfigError  # noqa: E402
 from kvdi.layout import KVCacheSpec  # noqa: E402
 from kvdi.settings import RedisSettings, load_settings  # noqa: E402
 from kvdi.testing.redis_server import (  # noqa: E402
-    INSTALL_HINT,
     RedisClusterServers,
     RedisServer,
     command,
-    find_redis_server,
 )
 
 pytestmark = pytest.mark.redis
@@ -46,11 +45,7 @@ def framed(i: int) -> list[bytes]:
 
 
 def _cluster(masters: int = 3, replicas: int = 0) -> RedisClusterServers:
-    if find_redis_server() is None or shutil.which("redis-cli") is None:
-        message = f"redis-server / redis-cli not found; {INSTALL_HINT}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require_redis_tools()
     return RedisClusterServers(masters=masters, replicas=replicas).start()
 
 

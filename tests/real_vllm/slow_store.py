@@ -44,22 +44,20 @@ class SlowReads(FileBlockStore):
         return super().get_many(keys)
 
 
-def open_slow_store(options: SharedStorageSettings, layout: KVCacheSpec, settings: KvdiSettings) -> SlowWrites:
-    del settings
-    store = SlowWrites(
-        Path(options.path), options.max_bytes, mode=options.mode, object_bytes=HEADER_SIZE + layout.block_bytes
-    )
+def _open(cls: type[FileBlockStore], options: SharedStorageSettings, layout: KVCacheSpec) -> Any:
+    store = cls(Path(options.path), options.max_bytes, mode=options.mode, object_bytes=HEADER_SIZE + layout.block_bytes)
     store.open()
     return store
+
+
+def open_slow_store(options: SharedStorageSettings, layout: KVCacheSpec, settings: KvdiSettings) -> SlowWrites:
+    del settings
+    return _open(SlowWrites, options, layout)  # type: ignore[no-any-return]
 
 
 def open_slow_reads(options: SharedStorageSettings, layout: KVCacheSpec, settings: KvdiSettings) -> SlowReads:
     del settings
-    store = SlowReads(
-        Path(options.path), options.max_bytes, mode=options.mode, object_bytes=HEADER_SIZE + layout.block_bytes
-    )
-    store.open()
-    return store
+    return _open(SlowReads, options, layout)  # type: ignore[no-any-return]
 
 
 SLOW_STORAGE = ConnectorSpec(

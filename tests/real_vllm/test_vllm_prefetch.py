@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.redis import require_redis_tools
 from tests.real_vllm.vllm_support import (
     HERE,
     IN_PROCESS,
@@ -47,15 +48,8 @@ BOUND = 4 * 3 * FRAME_BYTES  # host staging for 4 of those hits
 
 
 def _require_redis() -> None:
-    import os
 
-    from kvdi.testing.redis_server import INSTALL_HINT, find_redis_server
-
-    if find_redis_server() is None or shutil.which("redis-cli") is None:
-        message = f"redis-server / redis-cli not found; {INSTALL_HINT}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require_redis_tools()
 
 
 @pytest.fixture(scope="module")

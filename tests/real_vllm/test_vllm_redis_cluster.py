@@ -6,13 +6,12 @@ without a connector, and the keys are spread over every master.
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.helpers.redis import require_redis_tools
 from tests.real_vllm.vllm_support import (
     IN_PROCESS,
     expected_blocks,
@@ -31,13 +30,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis]
 def test_redis_cluster_across_two_engines(
     tmp_path: Path, base_spec: dict[str, Any], prompts: list[list[int]], baseline_tokens: list[list[int]]
 ) -> None:
-    from kvdi.testing.redis_server import INSTALL_HINT, RedisClusterServers, find_redis_server
+    from kvdi.testing.redis_server import RedisClusterServers
 
-    if find_redis_server() is None or shutil.which("redis-cli") is None:
-        message = f"redis-server / redis-cli not found; {INSTALL_HINT}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require_redis_tools()
     with RedisClusterServers(masters=3) as cluster:
         results, stats = [], []
         for name in ("cluster-producer", "cluster-consumer"):
