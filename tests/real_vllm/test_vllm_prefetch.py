@@ -5,7 +5,8 @@ staging (the request holds no KV block meanwhile); the worker's report travels b
 worker-to-scheduler metadata, and the next lookup loads exactly the staged blocks synchronously, from host
 memory. Shown here:
 
-- Redis (one server) with vLLM's in-process and its multiprocess engine core, and a 3-master Redis
+- Redis (one server) with vLLM's in-process and its multiprocess engine core (and `auto`'s path, a synchronous
+  load, in the multiprocess core), and a 3-master Redis
   Cluster: greedy tokens equal no connector, every hit loaded through staging;
 - a store with slow reads (a remote store, as far as timing goes), 24 concurrent requests, a staging
   bound that fits 4 of their hits: the bound holds at every engine step, the other hits take the plain
@@ -65,29 +66,35 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory, base_spec: dict[str, Any
         yield server.url, work
 
 
-@pytest.mark.parametrize("mode", ["in-process", "multiprocess"])
-def test_redis_hits_are_prefetched_then_loaded_with_the_tokens_of_no_connector(
+@pytest.mark.parametrize(
+    ("path", "mode"), [("prefetch", "in-process"), ("prefetch", "multiprocess"), ("auto", "multiprocess")]
+)
+def test_redis_hits_load_with_the_tokens_of_no_connector(
+    path: str,
     mode: str,
     redis_url: tuple[str, Path],
     base_spec: dict[str, Any],
     prompts: list[list[int]],
     baseline_tokens: list[list[int]],
 ) -> None:
+    """Prefetch in both engine-core modes (every hit through staging), and the path ``auto`` picks for Redis
+    (a synchronous load) in the multiprocess core, the one ``vllm serve`` uses."""
     url, work = redis_url
-    stats = work / f"stats-{mode}"
-    kv = kv_config("redis", stats_dir=stats, redis__url=url, transfer__async_load="prefetch")
+    stats = work / f"stats-{path}-{mode}"
+    kv = kv_config("redis", stats_dir=stats, redis__url=url, transfer__async_load=path)
     env = IN_PROCESS if mode == "in-process" else MULTIPROCESS
-    result = run_engine(work, f"prefetch-{mode}", {**base_spec, "kv": kv}, env=env)
+    result = run_engine(work, f"{path}-{mode}", {**base_spec, "kv": kv}, env=env)
 
     assert result["rounds"][0]["tokens"] == baseline_tokens
     scheduler, worker = read_stats(stats, "scheduler"), read_stats(stats, "worker")
-    with_hits = sum(1 for p in prompts if expected_blocks([p]))
-    print(f"\n{mode}: scheduler {scheduler}\nworker {worker}")
-    # Every hit went through staging: reported by the worker, then loaded synchronously (no parked request).
-    assert scheduler["prefetch_reported"] == with_hits
-    assert scheduler["prefetch_staged_blocks"] == worker["loaded_blocks"] == expected_blocks(prompts)
-    assert scheduler.get("async_load_requests", 0) == 0 and worker["corrupt_dropped"] == 0
-    assert "prefetch at lookup on" in Path(result["log"]).read_text()
+    assert worker["loaded_blocks"] == expected_blocks(prompts) and worker["corrupt_dropped"] == 0
+    assert scheduler.get("async_load_requests", 0) == 0  # neither path parks a request
+    if path == "prefetch":  # every hit went through staging: reported by the worker, then loaded synchronously
+        assert scheduler["prefetch_reported"] == sum(1 for p in prompts if expected_blocks([p]))
+        assert scheduler["prefetch_staged_blocks"] == expected_blocks(prompts)
+        assert "prefetch at lookup on" in Path(result["log"]).read_text()
+    else:
+        assert scheduler.get("prefetch_reported", 0) == 0
 
 
 def test_redis_cluster_hits_are_prefetched_then_loaded(
