@@ -32,6 +32,7 @@ MAX_REDIS_TTL_S = 2**31 - 1
 DEFAULT_REDIS_TTL_S = 86_400  # one day: see RedisSettings.ttl_s
 MAX_STORE_BYTES = 2**63 - 1  # the largest off_t
 MAX_BLOCKS = 2**31 - 1  # block ids are int32 in the engine's tables
+MAX_LOAD_THREADS = 16  # background loads at once; more only adds GIL contention with the engine
 KERNEL_FILE_SYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
@@ -256,6 +257,8 @@ class TransferSettings(_Section):
     ``idle_load_wait_ms``: on an engine step that schedules nothing while asynchronous loads
     are in flight, the worker waits up to this long (GIL released) for one to finish before
     answering, instead of letting empty steps spin against the loader; 0 turns it off.
+    ``load_threads``: asynchronous loads that run at once (one request each): while one waits for
+    the medium another checks and places its blocks.
     """
 
     io_thread: Literal["auto", "on", "off"] = "off"
@@ -263,6 +266,7 @@ class TransferSettings(_Section):
     async_load: Literal["auto", "on", "off"] = "auto"
     max_inflight_bytes: int = Field(256 << 20, gt=0)
     idle_load_wait_ms: float = Field(10.0, ge=0, le=1000)
+    load_threads: int = Field(2, ge=1, le=MAX_LOAD_THREADS)
 
     @field_validator("max_inflight_bytes")
     @classmethod
@@ -275,6 +279,7 @@ __all__ = [
     "KERNEL_FILE_SYSTEMS",
     "MAX_BLOCKS",
     "MAX_DURATION_S",
+    "MAX_LOAD_THREADS",
     "MAX_REDIS_TTL_S",
     "MAX_STORE_BYTES",
     "AllocatorSettings",

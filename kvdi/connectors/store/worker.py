@@ -77,7 +77,7 @@ class StoreWorkerConnector(WorkerConnector):
         self._staging: list[CacheIO] = []  # free host staging for background jobs on a device cache
         self._executor: ThreadPoolExecutor | None = None
         self._cpus: int | None = None
-        self._queue = TransferQueue(self.name, transfer.max_inflight_bytes)
+        self._queue = TransferQueue(self.name, transfer.max_inflight_bytes, load_threads=transfer.load_threads)
         self._async_save = transfer.async_save
         self._held: set[str] = set()  # requests with asynchronous transfers: reported when finished and done
         self._finishing: set[str] = set()

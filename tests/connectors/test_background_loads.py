@@ -1,0 +1,167 @@
+"""Background (asynchronous) loads of the store worker half with several in flight: ``transfer.load_threads``
+loads run at once, each lands whole and is reported finished receiving once, a bad object fails only its own
+request's blocks from that block on, and preemption waits for the preempted request's load."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvdi.connectors.base import BlockTransfer
+from kvdi.connectors.store import StoreTransferMetadata, StoreWorkerConnector
+from kvdi.connectors.store.keys import block_keys
+from kvdi.errors import ConfigError
+from kvdi.settings import load_settings
+from kvdi.settings.sections import MAX_LOAD_THREADS
+from tests.helpers.store import DictStore, Engine, make_settings, request, small_layout
+
+LAYOUT = small_layout(block_size=4)
+REQUESTS = 4
+BLOCKS_EACH = 3
+NUM_BLOCKS = 1 + REQUESTS * BLOCKS_EACH
+TOKENS = list(range(REQUESTS * BLOCKS_EACH * LAYOUT.block_size + 1))
+KEYS = block_keys(TOKENS, LAYOUT)
+
+
+def saved(store: DictStore) -> Engine:
+    """An engine that stored every block of ``TOKENS`` (blocks 1..) into ``store``; its cache is the truth."""
+    source = Engine(store, LAYOUT, make_settings(), num_blocks=NUM_BLOCKS, seed=7)
+    source.prefill(request(TOKENS, "source"), tuple(range(1, NUM_BLOCKS)))
+    assert len(store.objects) == len(KEYS)
+    return source
+
+
+def transfers() -> tuple[BlockTransfer, ...]:
+    """One asynchronous load per request, ``BLOCKS_EACH`` blocks each, into the same block ids the source used."""
+    out = []
+    for r in range(REQUESTS):
+        span = slice(r * BLOCKS_EACH, (r + 1) * BLOCKS_EACH)
+        out.append(BlockTransfer(f"q{r}", tuple(range(1, NUM_BLOCKS))[span], tuple(KEYS[span])))
+    return tuple(out)
+
+
+def run_until_received(worker: StoreWorkerConnector, loads: tuple[BlockTransfer, ...]) -> tuple[list[str], set[int]]:
+    """Drive the steps vLLM drives: start the loads, then empty steps until each is reported; returns the
+    requests in the order reported (with repeats, if any) and every block reported failed."""
+    reported: list[str] = []
+    failed: set[int] = set()
+    meta = StoreTransferMetadata(async_loads=loads)
+    for _ in range(1000):
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv()
+        worker.wait_for_loads(0.05)
+        _, received = worker.get_finished(set())
+        failed |= worker.get_block_ids_with_load_errors()
+        worker.clear_connector_metadata()
+        reported += sorted(received or ())
+        if len(set(reported)) == len(loads):
+            worker.flush()
+            _, late = worker.get_finished(set())  # nothing is reported twice, even after everything settled
+            reported += sorted(late or ())
+            return reported, failed
+        meta = StoreTransferMetadata()
+    raise AssertionError(f"loads not all reported: {reported}")
+
+
+class BarrierStore(DictStore):
+    """Each read waits until ``parties`` reads are inside the store at once (BrokenBarrierError otherwise)."""
+
+    def __init__(self, parties: int) -> None:
+        super().__init__()
+        self.barrier = threading.Barrier(parties, timeout=10)
+        self.reading = False
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | bytearray | memoryview | None]:
+        if self.reading:
+            self.barrier.wait()
+        return super().get_many(keys)
+
+
+def same_blocks(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], blocks: Sequence[int]) -> bool:
+    return all(a[n][list(blocks)].equal(b[n][list(blocks)]) for n in a)
+
+
+def test_several_loads_run_at_once_land_whole_and_are_each_reported_once() -> None:
+    """With ``load_threads=2`` two requests' reads are inside the store together (a barrier of two would
+    break otherwise); every block lands byte-identical and each request is finished receiving exactly once."""
+    store = BarrierStore(parties=2)
+    source = saved(store)
+    engine = Engine(store, LAYOUT, make_settings(transfer={"load_threads": 2}), num_blocks=NUM_BLOCKS)
+    engine.worker._chunk = 1  # one store call per block: every job reads several times
+    store.reading = True
+    reported, failed = run_until_received(engine.worker, transfers())
+    assert sorted(reported) == [f"q{r}" for r in range(REQUESTS)]
+    assert failed == set()
+    assert same_blocks(engine.caches, source.caches, range(1, NUM_BLOCKS))
+    assert engine.worker.stats.loaded_blocks == len(KEYS) and engine.worker.stats.load_failures == 0
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_corrupt_object_fails_only_its_request_from_the_bad_block_on(threads: int) -> None:
+    """A flipped byte in request q1's second block: q1's blocks from there on are load errors (counted, the
+    object dropped); every other request, loaded at the same time, lands whole."""
+    store = DictStore()
+    source = saved(store)
+    loads = transfers()
+    bad = loads[1].block_keys[1]
+    frame = bytearray(store.objects[bad])
+    frame[-1] ^= 0xFF
+    store.objects[bad] = bytes(frame)
+    engine = Engine(store, LAYOUT, make_settings(transfer={"load_threads": threads}), num_blocks=NUM_BLOCKS)
+    reported, failed = run_until_received(engine.worker, loads)
+    assert sorted(reported) == [f"q{r}" for r in range(REQUESTS)]
+    assert failed == set(loads[1].block_ids[1:])
+    good = [b for t in loads for b in t.block_ids if b not in failed]
+    assert same_blocks(engine.caches, source.caches, good)
+    assert engine.worker.stats.corrupt_dropped == 1 and bad not in store.objects
+
+
+class GatedReads(DictStore):
+    """Reads of ``gated`` keys wait for ``gate``; ``entered`` is set when one starts, ``done`` when it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gated: set[bytes] = set()
+        self.gate, self.entered, self.done = threading.Event(), threading.Event(), threading.Event()
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | bytearray | memoryview | None]:
+        if self.gated.intersection(keys):
+            self.entered.set()
+            self.gate.wait(10)
+            out = super().get_many(keys)
+            self.done.set()
+            return out
+        return super().get_many(keys)
+
+
+def test_preempting_a_request_waits_for_its_background_load() -> None:
+    """``handle_preemptions({"q0"})`` returns only once q0's load has finished writing its blocks, while
+    the other requests' loads run beside it."""
+    store = GatedReads()
+    source = saved(store)
+    loads = transfers()
+    store.gated = set(loads[0].block_keys)
+    engine = Engine(store, LAYOUT, make_settings(transfer={"load_threads": 2}), num_blocks=NUM_BLOCKS)
+    engine.worker.bind_connector_metadata(StoreTransferMetadata(async_loads=loads))
+    engine.worker.start_load_kv()
+    engine.worker.clear_connector_metadata()
+    assert store.entered.wait(10)
+    threading.Timer(0.1, store.gate.set).start()
+    engine.worker.handle_preemptions({"q0"})
+    assert store.done.is_set()  # the preempted request's read had returned before its blocks went back
+    assert same_blocks(engine.caches, source.caches, loads[0].block_ids)  # and its blocks were all written
+    engine.worker.flush()
+
+
+@pytest.mark.parametrize("value", ["0", str(MAX_LOAD_THREADS + 1), "many"])
+def test_load_threads_is_a_bounded_setting(value: str, kvdi_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVDI_TRANSFER__LOAD_THREADS`` takes 1 to ``MAX_LOAD_THREADS``; anything else names the variable."""
+    monkeypatch.setenv("KVDI_TRANSFER__LOAD_THREADS", "4")
+    assert load_settings().transfer.load_threads == 4
+    monkeypatch.setenv("KVDI_TRANSFER__LOAD_THREADS", value)
+    with pytest.raises(ConfigError, match=f"KVDI_TRANSFER__LOAD_THREADS='{value}'"):
+        load_settings()
