@@ -100,8 +100,38 @@ def test_several_loads_run_at_once_land_whole_and_are_each_reported_once() -> No
     assert engine.worker.stats.loaded_blocks == len(KEYS) and engine.worker.stats.load_failures == 0
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_a_corrupt_object_fails_only_its_request_from_the_bad_block_on(threads: int) -> None:
+class ThreadRecordingStore(DictStore):
+    """Records the name of the thread of every read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: set[str] = set()
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | bytearray | memoryview | None]:
+        self.threads.add(threading.current_thread().name)
+        return super().get_many(keys)
+
+
+@pytest.mark.parametrize("io_thread", [True, False])
+def test_with_io_thread_a_background_load_reads_ahead_on_fetch_threads(io_thread: bool) -> None:
+    """With ``io_thread`` on, a background load's next chunk is fetched on a fetch thread while its job
+    checks the current one (as synchronous loads overlap); off, the job reads itself. Bytes land the same."""
+    store = ThreadRecordingStore()
+    source = saved(store)
+    store.threads.clear()
+    settings = make_settings(transfer={"load_threads": 2})
+    engine = Engine(store, LAYOUT, settings, num_blocks=NUM_BLOCKS, io_thread=io_thread)
+    engine.worker._chunk = 1
+    reported, failed = run_until_received(engine.worker, transfers())
+    assert sorted(reported) == [f"q{r}" for r in range(REQUESTS)] and failed == set()
+    assert same_blocks(engine.caches, source.caches, range(1, NUM_BLOCKS))
+    fetching = {name for name in store.threads if "-fetch" in name}
+    assert bool(fetching) is io_thread
+    assert all("-load" in name for name in store.threads - fetching)
+
+
+@pytest.mark.parametrize(("threads", "io_thread"), [(1, False), (3, False), (3, True)])
+def test_a_corrupt_object_fails_only_its_request_from_the_bad_block_on(threads: int, io_thread: bool) -> None:
     """A flipped byte in request q1's second block: q1's blocks from there on are load errors (counted, the
     object dropped); every other request, loaded at the same time, lands whole."""
     store = DictStore()
@@ -111,7 +141,9 @@ def test_a_corrupt_object_fails_only_its_request_from_the_bad_block_on(threads: 
     frame = bytearray(store.objects[bad])
     frame[-1] ^= 0xFF
     store.objects[bad] = bytes(frame)
-    engine = Engine(store, LAYOUT, make_settings(transfer={"load_threads": threads}), num_blocks=NUM_BLOCKS)
+    settings = make_settings(transfer={"load_threads": threads})
+    engine = Engine(store, LAYOUT, settings, num_blocks=NUM_BLOCKS, io_thread=io_thread)
+    engine.worker._chunk = 1  # the bad block is read in a chunk of its own, the next one maybe already ahead
     reported, failed = run_until_received(engine.worker, loads)
     assert sorted(reported) == [f"q{r}" for r in range(REQUESTS)]
     assert failed == set(loads[1].block_ids[1:])

@@ -128,4 +128,26 @@ def verify_chunk(
     return len(chunk.ids)
 
 
-__all__ = ["ReadChunk", "read_chunk", "verify_chunk"]
+class Readahead:
+    """Keeps a store's ``prefetch`` about ``window`` blocks ahead of the reads of one load, while it pays."""
+
+    def __init__(self, prefetch: Callable[[Sequence[bytes]], bool] | None, keys: Sequence[bytes], window: int) -> None:
+        self._prefetch, self._keys, self._window, self._upto = prefetch, keys, window, 0
+
+    def before(self, start: int) -> None:
+        """Called before reading from block ``start`` on: ask for the blocks up to ``start + window``."""
+        if self._prefetch is None:
+            return
+        end = min(len(self._keys), start + self._window)
+        if end <= self._upto or (self._upto and end - self._upto < self._window // 4):
+            return  # ask in batches of a quarter window at least
+        try:
+            more = self._prefetch(self._keys[self._upto : end])
+        except Exception:  # a hint only
+            more = False
+        self._upto = end
+        if not more:
+            self._prefetch = None  # the objects are in fast memory: reading ahead buys nothing for this load
+
+
+__all__ = ["ReadChunk", "Readahead", "read_chunk", "verify_chunk"]

@@ -34,7 +34,7 @@ from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer, frame_header, unframe
 from kvdi.connectors.store.integrity import frame_key
 from kvdi.connectors.store.protocol import StoreCapabilities, require_store, written_count
-from kvdi.connectors.store.reads import ReadChunk, read_chunk, verify_chunk
+from kvdi.connectors.store.reads import Readahead, ReadChunk, read_chunk, verify_chunk
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue, add_stats
 
@@ -76,6 +76,7 @@ class StoreWorkerConnector(WorkerConnector):
         self._tensors: list[torch.Tensor] = []
         self._staging: list[CacheIO] = []  # free host staging for background jobs on a device cache
         self._executor: ThreadPoolExecutor | None = None
+        self._fetcher: ThreadPoolExecutor | None = None
         self._cpus: int | None = None
         self._queue = TransferQueue(self.name, transfer.max_inflight_bytes, load_threads=transfer.load_threads)
         self._async_save = transfer.async_save
@@ -104,8 +105,9 @@ class StoreWorkerConnector(WorkerConnector):
             raise RuntimeError(f"connector {self.name!r}: register_kv_caches() was not called before a transfer")
         return self._io
 
-    def _background(self, io: CacheIO) -> ThreadPoolExecutor | None:
-        """The I/O thread of synchronous transfers; None for device caches (staging rows are reused)."""
+    def _overlap(self, io: CacheIO) -> bool:
+        """Whether store calls overlap checksums on other threads (``io_thread``); never for device caches,
+        whose staging rows are reused chunk after chunk."""
         use = self.io_thread
         if use is None:
             if self._cpus is None:
@@ -113,11 +115,24 @@ class StoreWorkerConnector(WorkerConnector):
 
                 self._cpus = usable_cpus()  # once: sched_getaffinity per request is measurable
             use = self._cpus >= 4
-        if not io.direct or not use:
+        return io.direct and use
+
+    def _background(self, io: CacheIO) -> ThreadPoolExecutor | None:
+        """The I/O thread of synchronous transfers, when they overlap (:meth:`_overlap`)."""
+        if not self._overlap(io):
             return None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvdi-{self.name}-io")
         return self._executor
+
+    def _fetch_pool(self, io: CacheIO) -> ThreadPoolExecutor | None:
+        """The fetch threads of background loads (one read ahead per running load), when they overlap."""
+        if not self._overlap(io):
+            return None
+        if self._fetcher is None:
+            threads = self._queue.load_threads
+            self._fetcher = ThreadPoolExecutor(threads, thread_name_prefix=f"kvdi-{self.name}-fetch")
+        return self._fetcher
 
     def _log_once(self, reason: str, message: str, *args: object) -> None:
         log_once(logger, self._logged, reason, f"kv connector %r: {message} (logged once per reason)", self.name, *args)
@@ -199,16 +214,19 @@ class StoreWorkerConnector(WorkerConnector):
                     self.report_load_error(self._load_request(io, transfer, self.stats, self._background(io)))
         if isinstance(meta, StoreTransferMetadata) and meta.async_loads:
             fence = self._cache().fence()  # CUDA: the jobs' copies follow the compute queued so far (issue 22)
+            fetch = self._fetch_pool(self._cache())  # made here: job threads never race to make it
             for transfer in meta.async_loads:
-                job = partial(self._load_job, transfer, fence)
+                job = partial(self._load_job, transfer, fence, fetch)
                 self._queue.submit_load(transfer.request_id, transfer.block_ids, job)
 
-    def _load_job(self, transfer: BlockTransfer, fence: object = None) -> Outcome:
+    def _load_job(
+        self, transfer: BlockTransfer, fence: object = None, fetch: ThreadPoolExecutor | None = None
+    ) -> Outcome:
         io = self._job_io()
         out = Outcome(transfer.request_id, True)
         try:
             with io.on_side_stream(fence):  # CUDA: a side stream after ``fence``; each chunk waits on its event
-                out.failed_blocks = tuple(self._load_request(io, transfer, out.stats, None))
+                out.failed_blocks = tuple(self._load_request(io, transfer, out.stats, fetch if io.direct else None))
         finally:
             self._release_io(io)
         return out
@@ -220,7 +238,7 @@ class StoreWorkerConnector(WorkerConnector):
         ids, keys = transfer.block_ids, transfer.block_keys
         spans = [(s, min(s + self._chunk, len(ids))) for s in range(0, len(ids), self._chunk)]
         read = partial(read_chunk, self.store, self.capabilities, self._unframe, io)
-        readahead = _Readahead(self.capabilities.prefetch, keys, self._readahead)
+        readahead = Readahead(self.capabilities.prefetch, keys, self._readahead)
         ahead = executor.submit(read, ids[: spans[0][1]], keys[: spans[0][1]]) if executor and spans else None
         for k, (start, end) in enumerate(spans):
             readahead.before(start)
@@ -368,33 +386,12 @@ class StoreWorkerConnector(WorkerConnector):
         """Finish every queued transfer, then stop the threads."""
         self.flush()
         self._queue.shutdown()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        for pool in (self._executor, self._fetcher):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._executor = self._fetcher = None
         self._staging.clear()
         self._io = None
-
-
-class _Readahead:
-    """Keeps a store's ``prefetch`` about ``window`` blocks ahead of the reads of one load, while it pays."""
-
-    def __init__(self, prefetch: Callable[[Sequence[bytes]], bool] | None, keys: Sequence[bytes], window: int) -> None:
-        self._prefetch, self._keys, self._window, self._upto = prefetch, keys, window, 0
-
-    def before(self, start: int) -> None:
-        """Called before reading from block ``start`` on: ask for the blocks up to ``start + window``."""
-        if self._prefetch is None:
-            return
-        end = min(len(self._keys), start + self._window)
-        if end <= self._upto or (self._upto and end - self._upto < self._window // 4):
-            return  # ask in batches of a quarter window at least
-        try:
-            more = self._prefetch(self._keys[self._upto : end])
-        except Exception:  # a hint only
-            more = False
-        self._upto = end
-        if not more:
-            self._prefetch = None  # the objects are in fast memory: reading ahead buys nothing for this load
 
 
 __all__ = ["CHUNK_BYTES", "READAHEAD_BYTES", "StoreWorkerConnector"]
