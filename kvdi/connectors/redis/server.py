@@ -8,8 +8,9 @@ as one packed pipeline per server (one round trip), never in a transaction. Look
 with a bound (:mod:`.bounded`), so a huge value costs at most one frame of memory even on a
 server that ignores the range. ``get_into_many`` reads each frame off the socket straight into
 the pieces it is loaded into (on a CPU cache, the paged cache itself: no buffer, no copy, no
-allocation per load); the worker half verifies it there. Replies are read raw and classified (:mod:`.wire`): a reply of the wrong
-type is a bad object or a miss, never an exception from redis-py's callbacks.
+allocation per load); the worker half verifies it there. Replies are read raw and classified
+(:mod:`.wire`): a reply of the wrong type is a bad object or a miss, never an exception from
+redis-py's callbacks.
 
 A dead or hung server costs a miss, not a stall: every call is bounded by
 ``connect_timeout_s`` / ``op_timeout_s`` and never retried, and after
