@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from kvdi.connectors.base import BlockTransfer
-from kvdi.connectors.store import StoreTransferMetadata, StoreWorkerConnector
+from kvdi.connectors.store import StoreCapabilities, StoreTransferMetadata, StoreWorkerConnector
+from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.keys import block_keys
 from kvdi.errors import ConfigError
 from kvdi.settings import load_settings
 from kvdi.settings.sections import MAX_LOAD_THREADS
+from kvdi.testing.redis_server import RedisServer
 from tests.helpers.store import DictStore, Engine, make_settings, request, small_layout
 
 LAYOUT = small_layout(block_size=4)
@@ -197,3 +199,36 @@ def test_load_threads_is_a_bounded_setting(value: str, kvdi_env: Path, monkeypat
     monkeypatch.setenv("KVDI_TRANSFER__LOAD_THREADS", value)
     with pytest.raises(ConfigError, match=f"KVDI_TRANSFER__LOAD_THREADS='{value}'"):
         load_settings()
+
+
+@pytest.mark.redis
+def test_on_a_real_redis_server_loads_in_flight_read_into_the_cache_and_a_bad_object_fails_alone(
+    redis_server: RedisServer,
+) -> None:
+    """The Redis store reads frames straight into the cache (``get_into_many``) from several loads at once;
+    a flipped payload byte in q2's first object fails q2 from there (counted, deleted), the rest land whole."""
+    redis = pytest.importorskip("redis")
+    from kvdi.connectors.redis import RedisBlockStore, open_store
+    from kvdi.settings import RedisSettings
+
+    settings = make_settings(transfer={"load_threads": 3})
+    store = open_store(RedisSettings.model_validate({"url": redis_server.url}), LAYOUT, settings)
+    assert isinstance(store, RedisBlockStore) and StoreCapabilities.of(store).read_into
+    try:
+        source = Engine(store, LAYOUT, make_settings(), num_blocks=NUM_BLOCKS, seed=7)
+        source.prefill(request(TOKENS, "source"), tuple(range(1, NUM_BLOCKS)))
+        loads = transfers()
+        bad = loads[2].block_keys[0]
+        raw = redis.Redis.from_url(redis_server.url)
+        raw.setrange(b"kvdi:" + bad.hex().encode(), HEADER_SIZE + 5, b"\xff")
+        engine = Engine(store, LAYOUT, settings, num_blocks=NUM_BLOCKS)
+        engine.worker._chunk = 2  # two objects per pipelined call
+        reported, failed = run_until_received(engine.worker, loads)
+        assert sorted(reported) == [f"q{r}" for r in range(REQUESTS)]
+        assert failed == set(loads[2].block_ids)
+        good = [b for t in loads for b in t.block_ids if b not in failed]
+        assert same_blocks(engine.caches, source.caches, good)
+        assert engine.worker.stats.corrupt_dropped == 1 and not raw.exists(b"kvdi:" + bad.hex().encode())
+        raw.close()
+    finally:
+        store.close()
