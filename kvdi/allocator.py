@@ -11,6 +11,7 @@ and ``pin_memory`` is on); :meth:`~GpuBufferAllocator.free` releases all of it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Iterator
@@ -129,7 +130,7 @@ class StagingBuffers:
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
         self._held: dict[str, torch.Tensor] = {}
-        self._anonymous = 0
+        self._anonymous = itertools.count(1)  # next() is atomic: background load threads ask at once
 
     def __call__(self, nbytes: int, *, device: str | torch.device = "cpu", owner: str | None = None) -> torch.Tensor:
         """A new uint8 tensor of exactly ``nbytes`` on ``device`` (uninitialised)."""
@@ -144,8 +145,7 @@ class StagingBuffers:
         except (RuntimeError, MemoryError) as exc:
             raise AllocationError(f"allocating {nbytes} B of staging on {where} failed: {exc}") from exc
         if owner is None:
-            self._anonymous += 1
-            owner = f"#{self._anonymous}"
+            owner = f"#{next(self._anonymous)}"
         self._held[owner] = buf
         return buf
 

@@ -32,6 +32,7 @@ MAX_REDIS_TTL_S = 2**31 - 1
 DEFAULT_REDIS_TTL_S = 86_400  # one day: see RedisSettings.ttl_s
 MAX_STORE_BYTES = 2**63 - 1  # the largest off_t
 MAX_BLOCKS = 2**31 - 1  # block ids are int32 in the engine's tables
+MAX_LOAD_THREADS = 16  # background loads at once; more only adds GIL contention with the engine
 KERNEL_FILE_SYSTEMS = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
@@ -259,6 +260,8 @@ class TransferSettings(_Section):
     ``async_load=prefetch`` (vLLM): a lookup's hit is fetched into host staging first (the
     request waits, holding no KV block), then loaded synchronously from there (a copy);
     ``prefetch_max_bytes`` bounds that staging (past it, hits take the ``auto`` path).
+    ``load_threads``: asynchronous loads that run at once (one request each): while one waits for
+    the medium another checks and places its blocks.
     """
 
     io_thread: Literal["auto", "on", "off"] = "off"
@@ -267,6 +270,7 @@ class TransferSettings(_Section):
     max_inflight_bytes: int = Field(256 << 20, gt=0)
     idle_load_wait_ms: float = Field(10.0, ge=0, le=1000)
     prefetch_max_bytes: int = Field(256 << 20, gt=0)
+    load_threads: int = Field(2, ge=1, le=MAX_LOAD_THREADS)
 
     @field_validator("max_inflight_bytes", "prefetch_max_bytes")
     @classmethod
@@ -279,6 +283,7 @@ __all__ = [
     "KERNEL_FILE_SYSTEMS",
     "MAX_BLOCKS",
     "MAX_DURATION_S",
+    "MAX_LOAD_THREADS",
     "MAX_REDIS_TTL_S",
     "MAX_STORE_BYTES",
     "AllocatorSettings",

@@ -23,8 +23,8 @@ redis = pytest.importorskip("redis")
 pytest.importorskip("torch")
 
 from kvdi.connectors.redis import RedisBlockStore, RedisClusterBlockStore  # noqa: E402
-from kvdi.connectors.redis.bounded import OVERSIZED, CutReplies, read_replies  # noqa: E402
-from kvdi.connectors.redis.wire import BAD_OBJECT, object_or_none  # noqa: E402
+from kvdi.connectors.redis.bounded import OVERSIZED, CutReplies, Placed, read_replies  # noqa: E402
+from kvdi.connectors.redis.wire import BAD_OBJECT, object_or_none, placed_size  # noqa: E402
 from kvdi.settings import RedisSettings  # noqa: E402
 from tests.connectors.test_redis_hostile import Reply, ScriptedRedis, save_then_load  # noqa: E402
 
@@ -205,13 +205,15 @@ def scripted() -> Iterator[Callable[[Reply], ScriptedRedis]]:
 # -- the reader on random streams -----------------------------------------------------------------
 
 
-def replies_from(stream: bytes, count: int, bound: int) -> list[object] | Exception:
+def replies_from(
+    stream: bytes, count: int, bound: int, targets: list[list[memoryview]] | None = None
+) -> list[object] | Exception:
     a, b = socket.socketpair()
     try:
         b.sendall(stream)
         b.shutdown(socket.SHUT_WR)
         a.settimeout(1.0)
-        return read_replies(a, count, bound, 1.0)
+        return read_replies(a, count, bound, 1.0, targets)
     except (CutReplies, OSError) as exc:  # ConnectionError and TimeoutError are OSErrors
         return exc
     finally:
@@ -238,3 +240,32 @@ def test_random_streams_never_give_more_than_the_bound_nor_an_unexpected_excepti
         value = object_or_none(reply, bound - 1)
         assert value is None or len(value) <= bound
         assert reply is not OVERSIZED or value == BAD_OBJECT
+
+
+def test_a_value_of_its_targets_size_is_read_into_the_target_and_nothing_else_is() -> None:
+    """With targets, a value of exactly the target's size lands in it (split over its pieces) and is answered
+    :class:`Placed`; a value of another size, or an integer reply of the target's size, leaves it untouched."""
+    targets = [[memoryview(bytearray(4)), memoryview(bytearray(4))] for _ in range(3)]
+    replies = replies_from(b"$8\r\nabcdefgh\r\n$3\r\nxyz\r\n:8\r\n", 3, 16, targets)
+    assert isinstance(replies, list)
+    assert [placed_size(r, 15, t) for r, t in zip(replies, targets, strict=True)] == [8, 3, 0]
+    assert isinstance(replies[0], Placed) and [bytes(v) for v in targets[0]] == [b"abcd", b"efgh"]
+    assert all(bytes(v) == bytes(4) for t in targets[1:] for v in t)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(resp_pieces | st.binary(max_size=16), max_size=6), st.integers(1, 4), st.integers(0, 8))
+def test_random_streams_read_into_targets_stay_bounded_and_only_placed_values_fill_them(
+    pieces: list[bytes], count: int, bound: int
+) -> None:
+    targets = [[memoryview(bytearray(1)), memoryview(bytearray(2))] for _ in range(count)]
+    outcome = replies_from(b"".join(pieces), count, bound, targets)
+    replies = outcome.replies if isinstance(outcome, CutReplies) else outcome
+    if isinstance(replies, Exception):
+        return
+    assert len(replies) == count
+    for reply, target in zip(replies, targets, strict=True):
+        size = placed_size(reply, bound - 1, target)
+        assert size is None or size <= bound
+        if not isinstance(reply, Placed):
+            assert all(bytes(v) == bytes(v.nbytes) for v in target)  # never written

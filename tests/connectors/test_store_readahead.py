@@ -13,7 +13,7 @@ from kvdi.connectors.shared_storage import FileBlockStore
 from kvdi.connectors.store import StoreCapabilities
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.keys import block_keys
-from kvdi.connectors.store.reads import ReadAhead
+from kvdi.connectors.store.reads import Readahead
 from tests.helpers.store import DictStore, Engine, make_settings, request, small_layout
 
 LAYOUT = small_layout(block_size=4)
@@ -57,7 +57,7 @@ def test_readahead_slides_in_quarter_windows_while_cold_and_stops_once_warm() ->
         asked.append((keys.index(batch[0]), keys.index(batch[-1]) + 1))
         return next(answers)
 
-    ahead = ReadAhead(prefetch, keys, window=8)
+    ahead = Readahead(prefetch, keys, window=8)
     for start in range(0, 40):
         ahead.before(start)
     assert asked == [(0, 8), (8, 10), (10, 12)]  # the third answer says warm: no more hints
@@ -67,7 +67,7 @@ def test_a_failing_prefetch_is_only_a_hint() -> None:
     def prefetch(_keys: Sequence[bytes]) -> bool:
         raise OSError("medium gone")
 
-    ahead = ReadAhead(prefetch, [b"k" * 16] * 4, window=2)
+    ahead = Readahead(prefetch, [b"k" * 16] * 4, window=2)
     ahead.before(0)
     ahead.before(2)  # no exception, and no further calls after the failure
 

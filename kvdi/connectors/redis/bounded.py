@@ -10,6 +10,11 @@ drops the key), the remaining replies of the batch are misses, and the connectio
 (:class:`CutReplies`), since the stream can no longer be trusted. Each reply must arrive
 whole within ``timeout_s``, so a server that trickles bytes cannot hold a load either.
 
+Given a target per reply (the pieces a frame is loaded into: its header, then the paged cache's
+per-layer views), a bulk string of exactly the target's size is read off the socket straight into
+it, with no buffer of its own, and answered by its size (:class:`Placed`); any other length is read into a
+buffer as above, leaving the target untouched.
+
 Only what a ``GET`` / ``GETRANGE`` can answer is understood: a bulk string, a null (``$-1``
 or RESP3 ``_``), an error line (parsed into redis-py's exception classes, so cluster
 redirections stay recognisable) and single-line values of the wrong type; an aggregate
@@ -19,6 +24,7 @@ redirections stay recognisable) and single-line values of the wrong type; an agg
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from redis._parsers.base import BaseParser
@@ -40,6 +46,10 @@ OVERSIZED: Any = _Marker("OVERSIZED")
 """The reply that was longer than the bound (not a string: classified as a bad object)."""
 WRONG_TYPE: Any = _Marker("WRONG_TYPE")
 """A single-line reply that is not a string (an integer, a status, a double...)."""
+
+
+class Placed(int):
+    """The reply for a value read straight into its target: its size (never what a server's integer reply parses to)."""
 
 
 class CutReplies(Exception):
@@ -104,14 +114,31 @@ class _Reader:
             if not got:
                 raise ConnectionError("the server closed the connection")
             have += got
+        self._crlf()
+        return out
+
+    def into(self, views: Sequence[memoryview]) -> None:
+        """Fill ``views`` in order (as many bytes as they hold), then read the CRLF after them."""
+        for view in views:
+            have = min(view.nbytes, len(self.buf) - self.pos)
+            view[:have] = self.buf[self.pos : self.pos + have]
+            self.pos += have
+            while have < view.nbytes:
+                self._wait()
+                got = self.sock.recv_into(view[have:], view.nbytes - have)
+                if not got:
+                    raise ConnectionError("the server closed the connection")
+                have += got
+        self._crlf()
+
+    def _crlf(self) -> None:
         while len(self.buf) - self.pos < 2:
             self._more()
         if self.buf[self.pos : self.pos + 2] != b"\r\n":
             raise _Garbled("a bulk string not followed by CRLF")
         self.pos += 2
-        return out
 
-    def reply(self) -> object:
+    def reply(self, target: Sequence[memoryview] | None = None) -> object:
         self.deadline = time.monotonic() + self.timeout_s
         line = self.line()
         kind, rest = line[:1], line[1:]
@@ -126,6 +153,9 @@ class _Reader:
                 raise _Garbled(f"bulk length {size}")
             if size > self.bound:
                 raise _Cut(OVERSIZED, f"a value of {size} B announced, at most {self.bound} B read per object")
+            if target is not None and size and size == sum(v.nbytes for v in target):
+                self.into(target)
+                return Placed(size)
             return self.exact(size)
         if kind == b"_":
             return None
@@ -143,8 +173,13 @@ class _Cut(Exception):
         self.why = why
 
 
-def read_replies(sock: Any, count: int, bound: int, timeout_s: float) -> list[object]:
+def read_replies(
+    sock: Any, count: int, bound: int, timeout_s: float, targets: Sequence[Sequence[memoryview]] | None = None
+) -> list[object]:
     """``count`` replies read off ``sock`` with at most ``bound`` bytes of value each.
+
+    With ``targets`` (one list of byte views per reply), a value of exactly a target's size is read
+    into it and answered by its size (:class:`Placed`); the target may be partly written when the read fails.
 
     Raises :class:`CutReplies` (with every reply up to and including the cut one, misses after it)
     when a reply was oversized, of an aggregate type or left bytes behind it: the caller drops the
@@ -154,9 +189,9 @@ def read_replies(sock: Any, count: int, bound: int, timeout_s: float) -> list[ob
     saved = sock.gettimeout()
     replies: list[object] = []
     try:
-        for _ in range(count):
+        for i in range(count):
             try:
-                replies.append(reader.reply())
+                replies.append(reader.reply(None if targets is None else targets[i]))
             except _Cut as cut:
                 replies.append(cut.reply)
                 replies.extend([None] * (count - len(replies)))
@@ -170,4 +205,4 @@ def read_replies(sock: Any, count: int, bound: int, timeout_s: float) -> list[ob
     return replies
 
 
-__all__ = ["MAX_LINE", "OVERSIZED", "WRONG_TYPE", "CutReplies", "read_replies"]
+__all__ = ["MAX_LINE", "OVERSIZED", "WRONG_TYPE", "CutReplies", "Placed", "read_replies"]

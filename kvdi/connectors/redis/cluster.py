@@ -45,7 +45,7 @@ from kvdi.connectors.redis.server import (
     read_exchange,
     write_exchange,
 )
-from kvdi.connectors.redis.wire import describe, object_or_none, present, redirected
+from kvdi.connectors.redis.wire import describe, object_or_none, placed_size, present, redirected
 from kvdi.connectors.store.framing import Buffer
 from kvdi.errors import ConfigError
 from kvdi.masking import mask_url
@@ -129,6 +129,21 @@ class RedisClusterBlockStore:
                 for i, reply in zip(index, exchange.result, strict=True):
                     values[i] = object_or_none(reply, limit)
         return values
+
+    def get_into_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[int | None]:
+        """:meth:`RedisBlockStore.get_into_many <kvdi.connectors.redis.RedisBlockStore.get_into_many>`, batched
+        per node: each key's object read straight into its pieces, or its size, or None (absent, node failed)."""
+        sizes: list[int | None] = [None] * len(items)
+        limit = self.max_object_bytes
+
+        def make(node: RedisNode, names: list[bytes], index: list[int]) -> Exchange:
+            return read_exchange(node, names, limit, [items[i][1] for i in index])
+
+        for exchange, index in self._run([key for key, _ in items], True, make):
+            if isinstance(exchange.result, list):
+                for i, reply in zip(index, exchange.result, strict=True):
+                    sizes[i] = placed_size(reply, limit, items[i][1])
+        return sizes
 
     def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
         """One ``SET`` per object on the master of its slot, batched per node; returns how many were stored."""

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
 
+from kvdi.connectors.redis.bounded import Placed
+from kvdi.connectors.store.blockio import scatter
 from kvdi.connectors.store.framing import Buffer
 from kvdi.masking import mask_text
 
@@ -57,6 +59,24 @@ def object_or_none(reply: object, limit: int | None) -> Buffer | None:
     if isinstance(reply, bytes | bytearray):
         return reply if limit is None or len(reply) <= limit + 1 else bytes(reply[: limit + 1])
     return BAD_OBJECT
+
+
+def placed_size(reply: object, limit: int | None, pieces: Sequence[memoryview]) -> int | None:
+    """A ``GET`` / ``GETRANGE`` reply read for ``pieces``: the object's size, or None when absent.
+
+    A :class:`~.bounded.Placed` is a value already read into ``pieces`` (:func:`~.bounded.read_replies`). A
+    value read into a buffer of its own is copied into ``pieces`` when the sizes match, else left
+    alone; a reply that is not a string is an object of size 0 (the worker counts it as corrupt).
+    """
+    if isinstance(reply, Placed):
+        return int(reply)
+    obj = object_or_none(reply, limit)
+    if obj is None:
+        return None
+    size = memoryview(obj).nbytes
+    if size and size == sum(p.nbytes for p in pieces):
+        scatter(obj, pieces)
+    return size
 
 
 def written(reply: object) -> bool:

@@ -22,10 +22,14 @@ import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvdi.connectors.base import BlockTransfer
 from kvdi.connectors.store.framing import Buffer
-from kvdi.connectors.store.protocol import BlockStore
+from kvdi.connectors.store.protocol import BlockStore, StoreCapabilities
+
+if TYPE_CHECKING:
+    from kvdi.settings import TransferSettings
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +142,11 @@ class HostStaging:
         self._reports: list[tuple[str, int]] = []
         self.refused = 0  # prefetches past the bound: reported as misses
         self.failed = 0  # prefetches the store failed: reported as misses
+
+    @classmethod
+    def of(cls, store: BlockStore, transfer: TransferSettings, frame_bytes: int, name: str) -> HostStaging | None:
+        """The staging of a worker half under ``transfer.async_load=prefetch``; None otherwise."""
+        return cls(store, transfer.prefetch_max_bytes, frame_bytes, name) if transfer.async_load == "prefetch" else None
 
     @property
     def held_bytes(self) -> int:
@@ -270,4 +279,31 @@ class StagedReader:
         """The store is the worker's: closing a view closes nothing."""
 
 
-__all__ = ["ASK_AGAIN", "HostStaging", "PrefetchPlanner", "StagedReader"]
+_STAGED = StoreCapabilities(read_into=False, prefers_async_load=False, num_slots=None, check=None)  # host staging
+
+
+class PrefetchWorker:
+    """The worker half's side of prefetch at lookup (mixed into the store worker half, which sets ``staging``)."""
+
+    store: BlockStore
+    capabilities: StoreCapabilities
+    staging: HostStaging | None
+
+    def prefetch_reports(self) -> list[tuple[str, int]]:
+        """Prefetches finished since the last call, ``(request, leading blocks staged)``, for the scheduler half."""
+        return self.staging.reports() if self.staging is not None else []
+
+    def _source(self, request_id: str) -> tuple[BlockStore, StoreCapabilities]:
+        """Where a request's load reads: its prefetched host staging (taken whole, then the store), else the store."""
+        staged = self.staging.take(request_id) if self.staging is not None else None
+        return (staged, _STAGED) if staged is not None else (self.store, self.capabilities)
+
+    def _prefetch_wait(self, timeout_s: float, loads_in_flight: int) -> bool | None:
+        """On an idle step with prefetches but no loads in flight: wait up to ``timeout_s`` for one (GIL released),
+        True once one ended; None when that is not the case (the caller waits for its loads)."""
+        if self.staging is None or loads_in_flight or not self.staging.in_flight:
+            return None
+        return self.staging.wait(timeout_s)
+
+
+__all__ = ["ASK_AGAIN", "HostStaging", "PrefetchPlanner", "PrefetchWorker", "StagedReader"]

@@ -128,7 +128,7 @@ def verify_chunk(
     return len(chunk.ids)
 
 
-class ReadAhead:
+class Readahead:
     """Keeps a store's ``prefetch`` about ``window`` blocks ahead of the reads of one load, while it pays."""
 
     def __init__(self, prefetch: Callable[[Sequence[bytes]], bool] | None, keys: Sequence[bytes], window: int) -> None:
@@ -150,4 +150,4 @@ class ReadAhead:
             self._prefetch = None  # the objects are in fast memory: reading ahead buys nothing for this load
 
 
-__all__ = ["ReadAhead", "ReadChunk", "read_chunk", "verify_chunk"]
+__all__ = ["ReadChunk", "Readahead", "read_chunk", "verify_chunk"]

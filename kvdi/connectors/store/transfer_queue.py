@@ -1,9 +1,11 @@
 """Background I/O for a worker half: saves bounded by bytes in flight, loads reported per request.
 
 Jobs run on small thread pools (one for saves, one for loads, so a load never waits behind
-a queue of saves). A job returns an :class:`Outcome`; the caller collects outcomes on its
-own thread (:meth:`TransferQueue.harvest`) and applies them, so counters are only ever
-changed by one thread. :meth:`TransferQueue.submit_save` blocks while the bytes of
+a queue of saves). Saves run on ``threads`` threads, loads on ``load_threads``: with more than
+one, several requests' loads are in flight at once, each finishing (and reported) on its own.
+A job returns an :class:`Outcome`; the caller collects outcomes on its own thread
+(:meth:`TransferQueue.harvest`) and applies them, so counters are only ever changed by one
+thread. :meth:`TransferQueue.submit_save` blocks while the bytes of
 uncollected saves would pass the bound: a medium slower than the engine slows the engine
 down, it never drops a save.
 """
@@ -48,10 +50,12 @@ class _Job:
 class TransferQueue:
     """Background jobs of one worker half, collected in submission order."""
 
-    def __init__(self, name: str, max_inflight_bytes: int, threads: int = 1) -> None:
+    def __init__(self, name: str, max_inflight_bytes: int, threads: int = 1, load_threads: int | None = None) -> None:
         self.name = name
         self.max_inflight_bytes = max_inflight_bytes
         self._threads = threads
+        self.load_threads = threads if load_threads is None else load_threads
+        """Loads that run at once (``transfer.load_threads`` for the store connectors)."""
         self._saver: ThreadPoolExecutor | None = None
         self._loader: ThreadPoolExecutor | None = None
         self._jobs: list[_Job] = []
@@ -65,7 +69,7 @@ class TransferQueue:
     def _pool(self, is_load: bool) -> ThreadPoolExecutor:
         if is_load:
             if self._loader is None:
-                self._loader = ThreadPoolExecutor(self._threads, thread_name_prefix=f"kvdi-{self.name}-load")
+                self._loader = ThreadPoolExecutor(self.load_threads, thread_name_prefix=f"kvdi-{self.name}-load")
             return self._loader
         if self._saver is None:
             self._saver = ThreadPoolExecutor(self._threads, thread_name_prefix=f"kvdi-{self.name}-save")

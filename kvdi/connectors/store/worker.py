@@ -33,9 +33,9 @@ from kvdi.connectors.base import (
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer, frame_header, unframe
 from kvdi.connectors.store.integrity import frame_key
-from kvdi.connectors.store.prefetch import HostStaging
-from kvdi.connectors.store.protocol import BlockStore, StoreCapabilities, require_store, written_count
-from kvdi.connectors.store.reads import ReadAhead, ReadChunk, read_chunk, verify_chunk
+from kvdi.connectors.store.prefetch import HostStaging, PrefetchWorker
+from kvdi.connectors.store.protocol import StoreCapabilities, require_store, written_count
+from kvdi.connectors.store.reads import Readahead, ReadChunk, read_chunk, verify_chunk
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue, add_stats
 
@@ -49,10 +49,9 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20  # payload bytes per store call (at least one block): stays in L2 between checksum and copy
 READAHEAD_BYTES = 64 << 20  # how far ahead of the chunk being read a store with prefetch() is asked to read
 _IO_THREAD = {"on": True, "off": False, "auto": None}
-_STAGED = StoreCapabilities(read_into=False, prefers_async_load=False, num_slots=None, check=None)  # host staging
 
 
-class StoreWorkerConnector(WorkerConnector):
+class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
     """Copies blocks between the paged cache and framed objects; a bad object is a miss, never an exception.
 
     Synchronous transfers run in chunks of about :data:`CHUNK_BYTES`. With ``io_thread`` on
@@ -78,10 +77,10 @@ class StoreWorkerConnector(WorkerConnector):
         self._tensors: list[torch.Tensor] = []
         self._staging: list[CacheIO] = []  # free host staging for background jobs on a device cache
         self._executor: ThreadPoolExecutor | None = None
+        self._fetcher: ThreadPoolExecutor | None = None
         self._cpus: int | None = None
-        self._queue = TransferQueue(self.name, transfer.max_inflight_bytes)
-        staging = HostStaging(self.store, transfer.prefetch_max_bytes, self._frame_bytes, self.name)
-        self.staging = staging if transfer.async_load == "prefetch" else None  # lookups' hits (:mod:`.prefetch`)
+        self._queue = TransferQueue(self.name, transfer.max_inflight_bytes, load_threads=transfer.load_threads)
+        self.staging = HostStaging.of(self.store, transfer, self._frame_bytes, self.name)  # :mod:`.prefetch`
         self._async_save = transfer.async_save
         self._held: set[str] = set()  # requests with asynchronous transfers: reported when finished and done
         self._finishing: set[str] = set()
@@ -108,8 +107,9 @@ class StoreWorkerConnector(WorkerConnector):
             raise RuntimeError(f"connector {self.name!r}: register_kv_caches() was not called before a transfer")
         return self._io
 
-    def _background(self, io: CacheIO) -> ThreadPoolExecutor | None:
-        """The I/O thread of synchronous transfers; None for device caches (staging rows are reused)."""
+    def _overlap(self, io: CacheIO) -> bool:
+        """Whether store calls overlap checksums on other threads (``io_thread``); never for device caches,
+        whose staging rows are reused chunk after chunk."""
         use = self.io_thread
         if use is None:
             if self._cpus is None:
@@ -117,11 +117,19 @@ class StoreWorkerConnector(WorkerConnector):
 
                 self._cpus = usable_cpus()  # once: sched_getaffinity per request is measurable
             use = self._cpus >= 4
-        if not io.direct or not use:
+        return io.direct and use
+
+    def _background(self, io: CacheIO, fetch: bool = False) -> ThreadPoolExecutor | None:
+        """When transfers overlap (:meth:`_overlap`): the I/O thread of synchronous transfers, or (``fetch``) the
+        fetch threads of background loads (one read ahead per running load)."""
+        if not self._overlap(io):
             return None
-        if self._executor is None:
+        if fetch and self._fetcher is None:
+            name, threads = f"kvdi-{self.name}-fetch", self._queue.load_threads
+            self._fetcher = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        if not fetch and self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvdi-{self.name}-io")
-        return self._executor
+        return self._fetcher if fetch else self._executor
 
     def _log_once(self, reason: str, message: str, *args: object) -> None:
         log_once(logger, self._logged, reason, f"kv connector %r: {message} (logged once per reason)", self.name, *args)
@@ -178,13 +186,8 @@ class StoreWorkerConnector(WorkerConnector):
         return sending or None, received or None
 
     def wait_for_loads(self, timeout_s: float) -> bool:  # up to timeout_s, GIL released; True once a load finished
-        if self.staging is not None and self.staging.in_flight and not self._queue.loads_in_flight:
-            return self.staging.wait(timeout_s)  # an idle step while lookups' prefetches run
-        return self._queue.wait_loads(timeout_s)
-
-    def prefetch_reports(self) -> list[tuple[str, int]]:
-        """Prefetches finished since the last call, ``(request, leading blocks staged)``, for the scheduler half."""
-        return self.staging.reports() if self.staging is not None else []
+        staged = self._prefetch_wait(timeout_s, self._queue.loads_in_flight)  # only prefetches in flight
+        return self._queue.wait_loads(timeout_s) if staged is None else staged
 
     def handle_preemptions(self, preempted_req_ids: Collection[str] | None = None) -> None:
         """Finish the jobs of requests whose blocks the engine is about to reuse (vLLM's preemption hook: it frees
@@ -211,16 +214,19 @@ class StoreWorkerConnector(WorkerConnector):
                     self.report_load_error(self._load_request(io, transfer, self.stats, self._background(io)))
         if isinstance(meta, StoreTransferMetadata) and meta.async_loads:
             fence = self._cache().fence()  # CUDA: the jobs' copies follow the compute queued so far (issue 22)
+            fetch = self._background(self._cache(), fetch=True)  # made here: job threads never race to make it
             for transfer in meta.async_loads:
-                job = partial(self._load_job, transfer, fence)
+                job = partial(self._load_job, transfer, fence, fetch)
                 self._queue.submit_load(transfer.request_id, transfer.block_ids, job)
 
-    def _load_job(self, transfer: BlockTransfer, fence: object = None) -> Outcome:
+    def _load_job(
+        self, transfer: BlockTransfer, fence: object = None, fetch: ThreadPoolExecutor | None = None
+    ) -> Outcome:
         io = self._job_io()
         out = Outcome(transfer.request_id, True)
         try:
             with io.on_side_stream(fence):  # CUDA: a side stream after ``fence``; each chunk waits on its event
-                out.failed_blocks = tuple(self._load_request(io, transfer, out.stats, None))
+                out.failed_blocks = tuple(self._load_request(io, transfer, out.stats, fetch if io.direct else None))
         finally:
             self._release_io(io)
         return out
@@ -233,7 +239,7 @@ class StoreWorkerConnector(WorkerConnector):
         spans = [(s, min(s + self._chunk, len(ids))) for s in range(0, len(ids), self._chunk)]
         store, caps = self._source(transfer.request_id)
         read = partial(read_chunk, store, caps, self._unframe, io)
-        readahead = ReadAhead(caps.prefetch, keys, self._readahead)
+        readahead = Readahead(caps.prefetch, keys, self._readahead)
         ahead = executor.submit(read, ids[: spans[0][1]], keys[: spans[0][1]]) if executor and spans else None
         for k, (start, end) in enumerate(spans):
             readahead.before(start)
@@ -255,11 +261,6 @@ class StoreWorkerConnector(WorkerConnector):
                     wait([ahead])  # it writes into blocks about to be recomputed: let it finish first
                 return ids[start + good :]
         return ()
-
-    def _source(self, request_id: str) -> tuple[BlockStore, StoreCapabilities]:
-        """Where a request's load reads: its prefetched host staging (taken whole, then the store), else the store."""
-        staged = self.staging.take(request_id) if self.staging is not None else None
-        return (staged, _STAGED) if staged is not None else (self.store, self.capabilities)
 
     def _load_one_by_one(self, io: CacheIO, ids: Sequence[int], keys: Sequence[bytes], stats: ConnectorStats) -> int:
         """Read a failed chunk's objects singly; return how many leading ones are in place."""
@@ -388,9 +389,10 @@ class StoreWorkerConnector(WorkerConnector):
         self._queue.shutdown()
         if self.staging is not None:
             self.staging.shutdown()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        for pool in (self._executor, self._fetcher):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._executor = self._fetcher = None
         self._staging.clear()
         self._io = None
 
