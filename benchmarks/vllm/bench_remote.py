@@ -19,14 +19,16 @@ through the proxy). Per repeat:
   names from kvdi's key chain under ``redis.key_prefix``), through the proxy at each delay;
 - one consumer engine per engine-core mode (``in-process``, ``multiprocess``) and load path
   (``transfer.async_load`` = ``off``, ``on``, ``prefetch``; the order rotated per repeat),
-  Redis through the proxy, vLLM's prefix caching on. It runs ``warmup`` (fresh prompts, in no
-  figure), then for each delay (the proxy switches delay at a barrier between phases, see
-  ``bench_engine.py``): ``b_load`` (``S``, loaded from Redis: vLLM's prefix cache does not
-  hold it), ``b_hit`` (``S`` again: vLLM's own prefix cache holds it, the local-hit baseline),
+  Redis through the proxy, vLLM's prefix caching on. It runs ``warmup`` (fresh prompts) and
+  ``warmup_load`` (a stored set, loaded), in no figure, then for each delay (the proxy switches
+  delay at a barrier between phases, see ``bench_engine.py``, and waits ``--settle-s`` there
+  so the engine's background saves of earlier phases are done): ``b_load`` (``S``, loaded from
+  Redis: vLLM's prefix cache does not hold it), ``b_hit`` (``S`` again: vLLM's own prefix
+  cache holds it, the local-hit baseline),
   ``e_load`` (fresh running requests decode while ``A`` arrives one every few steps and loads
   from Redis) and ``e_noload`` (fresh running requests, ``A`` again: vLLM's prefix cache holds
   it). The ITL figure is the running requests' median inter-token gap while arrivals are in
-  flight.
+  flight (the 90th percentile is reported too: a few stalled steps barely move a median).
 
 ``auto`` is not run: it picks ``off`` or ``on`` (see ``auto_pick``), and the table says which.
 kvdi's worker counters (``load_steps_*``) are read at each delay's barrier, so steps per
@@ -110,7 +112,7 @@ def delay_order(args: argparse.Namespace, r: int) -> list[float]:
 
 
 def consumer_phases(
-    args: argparse.Namespace, sets: Sets, delays: list[float], seed: int, barrier: Callable[[float], str]
+    args: argparse.Namespace, sets: Sets, delays: list[float], seed: int, barrier: Callable[[float, str], str]
 ) -> list[dict[str, Any]]:
     """``warmup`` (fresh prompts), ``warmup_load`` (``L``, loaded: the first load's one-time costs), then per delay
     (behind its barrier) ``--rounds`` of b_load, b_hit, e_load, e_noload, named ``NAME@DELAY#ROUND``; fresh prompts
@@ -120,11 +122,14 @@ def consumer_phases(
     def rnd(name: str, prompts: list[list[int]], **extra: Any) -> dict[str, Any]:
         return {"kind": "round", "name": name, "prompts": prompts, "max_tokens": mt, **extra}
 
-    out = [rnd("warmup", make_prompts(args.prompts, args.tokens, seed=seed)), rnd("warmup_load", sets["L"][0])]
+    out = [
+        rnd("warmup", make_prompts(args.prompts, args.tokens, seed=seed)),
+        rnd("warmup_load", sets["L"][0], barrier=barrier(delays[0], "warmup")),
+    ]
     for i, d in enumerate(delays):
         for k in range(args.rounds):
             s, a, tag = sets[f"S@{d:g}"][k], sets[f"A@{d:g}"][k], f"@{d:g}#{k}"
-            out.append(rnd(f"b_load{tag}", s, **({"barrier": barrier(d)} if k == 0 else {})))
+            out.append(rnd(f"b_load{tag}", s, **({"barrier": barrier(d, f"{d:g}")} if k == 0 else {})))
             out.append(rnd(f"b_hit{tag}", s))
             for j, name in enumerate(("e_load", "e_noload")):
                 running = make_prompts(args.running, args.running_tokens, seed=seed + 1 + 2 * (i * args.rounds + k) + j)
@@ -204,12 +209,15 @@ def bench(args: argparse.Namespace, work: Path, server_url: str, proxy: Any) -> 
                 stats = work / f"stats-{name}"
                 snaps: dict[str, dict[str, float]] = {}
 
-                def barrier(d: float, name: str = name, stats: Path = stats, snaps: dict[str, Any] = snaps) -> str:
+                def barrier(
+                    d: float, label: str, name: str = name, stats: Path = stats, snaps: dict[str, Any] = snaps
+                ) -> str:
                     def action() -> None:
                         proxy.delay_ms = d
-                        snaps[f"{d:g}"] = read_stats(stats, "worker")
+                        time.sleep(args.settle_s)
+                        snaps[label] = read_stats(stats, "worker")
 
-                    return gate.expect(work / f"{name}-d{d:g}", action)
+                    return gate.expect(work / f"{name}-{label}", action)
 
                 seed = 50_000 + 1000 * r + 20 * n
                 kv = kv_config(
@@ -253,6 +261,7 @@ def bench(args: argparse.Namespace, work: Path, server_url: str, proxy: Any) -> 
             "repeats_asked": args.repeats,
             "delays_ms_each_way": args.delays_ms,
             "rounds_per_delay": args.rounds,
+            "settle_s_at_each_barrier": args.settle_s,
             "modes": args.modes,
             "paths": args.paths,
             "auto": auto_pick(hit_bytes),
@@ -304,6 +313,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES), help="engine-core modes")
     p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="transfer.async_load values")
     p.add_argument("--rounds", type=int, default=2, help="b_load/b_hit/e_load/e_noload rounds per delay and engine")
+    p.add_argument("--settle-s", type=float, default=1.0, help="pause at each barrier (background saves finish)")
     p.add_argument("--prompts", type=int, default=6, help="requests per loading round")
     p.add_argument("--tokens", type=int, default=768, help="prompt tokens")
     p.add_argument("--max-tokens", type=int, default=8)

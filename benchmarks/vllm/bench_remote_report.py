@@ -29,6 +29,16 @@ def pooled(name: str, d: str, field: str) -> Value:
     return value
 
 
+def itl_p90(d: str, name: str) -> Value:
+    """90th percentile of the running requests' inter-token gaps over an engine's rounds ``name@d#k``."""
+
+    def value(e: Engine) -> float | None:
+        gaps = [g for n, p in e["phases"].items() if n.startswith(f"{name}@{d}#") for g in p["itl_s"]]
+        return statistics.quantiles(gaps, n=10)[8] if len(gaps) >= 2 else None
+
+    return value
+
+
 def steps_per_load(delay: str) -> Value:
     """An engine's median engine steps per asynchronous load during delay ``delay``'s phases (4 = 4 or more),
     from kvdi's worker counters read at the delay's barrier and at the next one (or at the end)."""
@@ -111,6 +121,7 @@ def report(doc: dict[str, Any]) -> dict[str, Any]:
                 }
                 for name in ("e_load", "e_noload"):
                     fig[name]["itl_s"] = spread(list(per_engine(e, pooled(name, d, "itl_s")).values()))
+                    fig[name]["itl_p90_s"] = spread(list(per_engine(e, itl_p90(d, name)).values()))
                     fig[name]["arrival_ttft_s"] = spread(
                         list(per_engine(e, pooled(name, d, "arrival_ttft_s")).values())
                     )
@@ -126,6 +137,12 @@ def report(doc: dict[str, Any]) -> dict[str, Any]:
                     ),
                     "<= 1.1" if is_auto else "",
                     tag,
+                )
+                add(
+                    path,
+                    "90th-percentile ITL, the same pair (the stalled steps)",
+                    paired_ratio(per_engine(e, itl_p90(d, "e_load")), per_engine(e, itl_p90(d, "e_noload"))),
+                    "",
                 )
                 add(
                     path,
@@ -189,7 +206,10 @@ def table(doc: dict[str, Any]) -> str:
             f = fig[name]
             extra = ""
             if "itl_s" in f:
-                extra = f"  ITL {fmt(f['itl_s'], 1000, 'ms')}  arrival TTFT {fmt(f['arrival_ttft_s'], 1000, 'ms')}"
+                extra = (
+                    f"  ITL {fmt(f['itl_s'], 1000, 'ms')}  p90 {fmt(f['itl_p90_s'], 1000, 'ms')}"
+                    f"  arrival TTFT {fmt(f['arrival_ttft_s'], 1000, 'ms')}"
+                )
             lines.append(
                 f"  {name:<9} round {fmt(f['round_s'], 1, 's'):<26} TTFT {fmt(f['ttft_s'], 1000, 'ms')}{extra}"
             )
