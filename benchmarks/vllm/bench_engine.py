@@ -12,11 +12,16 @@ SPEC holds ``model``, ``block_size``, ``max_model_len``, ``max_num_batched_token
   requests are added and stepped until each has its first token, then one arrival is added
   every ``k`` steps while the running requests decode.
 
+A phase may name a ``barrier`` (a path): before the phase the engine creates ``PATH.ready`` and
+waits (at most ``barrier_timeout_s``, default 120) until ``PATH.go`` exists, so the process that
+started it can change the world between phases (``bench_remote.py`` sets its proxy's delay).
 A phase running past ``phase_timeout_s`` (default 300) dumps all threads' stacks into the
 log and exits non-zero. ``reset`` drops vLLM's own prefix cache first (the connector keeps its store), so the phase's
 prompts come from the connector instead of vLLM's local hits. Times are ``time.perf_counter``
-read right after each ``LLMEngine.step()`` (engine core in-process, so a step's forward pass
-and the connector's work in it are inside the step).
+read right after each ``LLMEngine.step()``: with the engine core in-process a step's forward pass
+and the connector's work in it are inside the step; with the multiprocess engine core
+(``VLLM_ENABLE_V1_MULTIPROCESSING=1``) the core steps on its own and ``step()`` returns the next
+step's outputs as they reach this process, so the times are when a client sees the tokens.
 
 The result (JSON at ``out``): ``{"init_s", "phases": [{"name", "seconds", "ttft_s": [...],
 "tokens": [[...]...], "reset_ok"}, ...]}``; a mix phase adds ``itl_s`` (the running requests'
@@ -34,7 +39,7 @@ from typing import Any
 
 
 class Driver:
-    """Adds requests to one in-process ``LLMEngine`` and records when each of their tokens came out."""
+    """Adds requests to one ``LLMEngine`` and records when each of their tokens came out."""
 
     def __init__(self, engine: Any, make_prompt: Any, make_params: Any) -> None:
         self.engine, self.make_prompt, self.make_params = engine, make_prompt, make_params
@@ -71,15 +76,33 @@ class Driver:
         return self.times[rid][0] - self.added[rid]
 
 
+def in_process() -> bool:
+    """Whether vLLM runs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+
+
 def reset_prefix_cache(llm: Any, driver: Driver) -> bool:
     """Drop vLLM's prefix cache, keeping the connector's store; retries while blocks are still held."""
     for _ in range(50):
         if llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False):
             return True
-        # Blocks held for a background save come back through get_finished on the next steps.
-        driver.step()
+        # Blocks held for a background save come back through get_finished on the next steps; a
+        # multiprocess core steps by itself (and step() here would wait for outputs that never come).
+        if in_process():
+            driver.step()
         time.sleep(0.01)
     return False
+
+
+def barrier(path: str, timeout_s: float) -> None:
+    """Create ``path.ready``, then wait until ``path.go`` exists; RuntimeError past ``timeout_s``."""
+    with open(path + ".ready", "w", encoding="utf-8"):
+        pass
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path + ".go"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"barrier {path}: no {path}.go after {timeout_s}s")
+        time.sleep(0.005)
 
 
 def run_round(driver: Driver, phase: dict[str, Any]) -> dict[str, Any]:
@@ -157,6 +180,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     for phase in spec["phases"]:
         # A phase that never ends (a load that never completes) dumps every thread's stack and exits.
         print(f"[bench_engine] phase {phase['name']}", file=sys.stderr, flush=True)
+        if phase.get("barrier"):
+            barrier(phase["barrier"], spec.get("barrier_timeout_s", 120))
         faulthandler.dump_traceback_later(spec.get("phase_timeout_s", 300), exit=True)
         reset_ok = reset_prefix_cache(llm, driver) if phase.get("reset") else None
         out = run_round(driver, phase) if phase["kind"] == "round" else run_mix(driver, phase)

@@ -135,8 +135,9 @@ def phases(args: argparse.Namespace, sets: dict[str, Any], r: int) -> list[dict[
     return out
 
 
-def run_engine(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Run the bench engine with ``spec`` in a fresh interpreter; ``{"failed": ...}`` with the log tail if it fails."""
+def run_engine(work: Path, name: str, spec: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the bench engine with ``spec`` in a fresh interpreter (``ENV``, then ``env`` over it); ``{"failed": ...}``
+    with the log tail if it fails."""
     spec = {**spec, "out": str(work / f"{name}.out.json")}
     spec_path = work / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -146,7 +147,7 @@ def run_engine(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
             [sys.executable, "-m", BENCH_ENGINE, str(spec_path)],
             stdout=fh,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **ENV, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, **ENV, **(env or {}), "PYTHONPATH": str(ROOT)},
             cwd=ROOT,
             timeout=1800,
             check=False,
