@@ -251,8 +251,9 @@ class TransferSettings(_Section):
     ``io_thread``: overlap store calls with checksums on a second thread in synchronous
     transfers (auto: when 4+ CPUs are usable). ``async_save``: ``wait_for_save`` queues the
     step's saves and returns; a finished request's blocks stay held until written.
-    ``async_load``: load in the background while other requests run (auto: the store's
-    ``prefers_async_load``, or a hit of 16 MiB or more). ``max_inflight_bytes`` bounds the
+    ``async_load``: load in the background while other requests run (auto: in vLLM, prefetch at
+    lookup for a store that says it is remote or whose lookup takes 1 ms or more; else in the
+    background for such a store or a hit of 16 MiB or more, synchronously otherwise). ``max_inflight_bytes`` bounds the
     bytes of queued saves; past it ``wait_for_save`` waits for the medium.
     ``idle_load_wait_ms``: on an engine step that schedules nothing while asynchronous loads
     are in flight, the worker waits up to this long (GIL released) for one to finish before

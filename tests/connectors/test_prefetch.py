@@ -5,6 +5,7 @@ the scheduler, then a synchronous load of exactly the staged blocks, read from s
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -172,6 +173,60 @@ def test_prefetch_without_a_host_that_relays_reports_loads_as_auto() -> None:
     engine = Engine(store, LAYOUT, make_settings(transfer={"async_load": "prefetch"}), seed=2)
     n, load_async = _admit(engine)  # the reference engine never calls enable_prefetch()
     assert n == 16 and load_async is False  # a small local hit: auto loads it synchronously
+
+
+class SlowLookups(CountingStore):
+    """A store whose lookups take 2 ms (a store across a network); with ``fail``, lookups raise."""
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        if self.fail:
+            raise ConnectionError("the store went away")
+        time.sleep(0.002)
+        return super().count_prefix(keys)
+
+
+class SaysRemote(CountingStore):
+    prefers_async_load = True
+
+
+@pytest.mark.parametrize(
+    ("store", "fail", "prefetches"),
+    [(CountingStore, False, False), (SlowLookups, False, True), (SaysRemote, False, True), (SlowLookups, True, False)],
+)
+def test_auto_prefetches_from_a_store_that_is_remote_by_measurement(
+    store: type[CountingStore], fail: bool, prefetches: bool
+) -> None:
+    """``auto`` under a host that relays reports: a store whose lookup takes >= 1 ms, or that says it is remote,
+    prefetches; a local one (or one whose lookups fail at start: nothing measured) keeps auto's local rules."""
+    backend = store()
+    _stored(backend)
+    backend.fail = fail
+    engine = Engine(backend, LAYOUT, make_settings(transfer={"async_load": "auto"}), seed=2)
+    assert engine.scheduler.enable_prefetch() is prefetches
+    backend.fail = False
+    assert engine.worker.staging is not None  # the worker half is ready either way (no thread until used)
+    n, load_async = _admit(engine)
+    assert (n, load_async) == ((None, False) if prefetches else (16, False))
+    if fail:
+        assert engine.scheduler.lookup_s is None
+    elif store is not SaysRemote:
+        assert engine.scheduler.lookup_s is not None and (engine.scheduler.lookup_s >= 0.001) is prefetches
+
+
+def test_no_lookup_round_trip_when_vllm_already_holds_every_loadable_block() -> None:
+    """A block-aligned prompt whose every loadable block vLLM's prefix cache holds (all but the one with the last
+    token) can load nothing: the store is not asked (a remote store's round trip saved per request)."""
+    store = SlowLookups()
+    _stored(store)
+    engine = Engine(store, LAYOUT, make_settings(), seed=2)
+    aligned = request(range(16))  # 4 blocks of 4 tokens: 3 loadable
+    calls: list[int] = []
+    count = store.count_prefix
+    store.count_prefix = lambda keys: calls.append(len(keys)) or count(keys)  # type: ignore[method-assign]
+    assert engine.scheduler.get_num_new_matched_tokens(aligned, 12) == (0, False)
+    assert calls == []
+    engine.scheduler.get_num_new_matched_tokens(aligned, 8)  # one loadable block left: asked
+    assert calls == [2]
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "lots"])

@@ -18,7 +18,9 @@ what it read and the rest of its request's staging.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from kvdi.connectors.base import BlockTransfer
 from kvdi.connectors.store.framing import Buffer
+from kvdi.connectors.store.keys import KEY_BYTES
 from kvdi.connectors.store.protocol import BlockStore, StoreCapabilities
 
 if TYPE_CHECKING:
@@ -145,8 +148,10 @@ class HostStaging:
 
     @classmethod
     def of(cls, store: BlockStore, transfer: TransferSettings, frame_bytes: int, name: str) -> HostStaging | None:
-        """The staging of a worker half under ``transfer.async_load=prefetch``; None otherwise."""
-        return cls(store, transfer.prefetch_max_bytes, frame_bytes, name) if transfer.async_load == "prefetch" else None
+        """The staging of a worker half under ``transfer.async_load=prefetch`` or ``auto``; None otherwise (it holds
+        nothing and starts no thread until the scheduler half sends a prefetch)."""
+        on = transfer.async_load in ("prefetch", "auto")  # auto: the scheduler half decides (its lookup round trip)
+        return cls(store, transfer.prefetch_max_bytes, frame_bytes, name) if on else None
 
     @property
     def held_bytes(self) -> int:
@@ -279,6 +284,21 @@ class StagedReader:
         """The store is the worker's: closing a view closes nothing."""
 
 
+def lookup_round_trip(store: BlockStore, tries: int = 5) -> float | None:
+    """The seconds of the fastest of ``tries`` lookups of a key no store holds: the round trip to the medium,
+    with a busy machine's hiccups left out; None when the store fails them (``auto`` keeps its local rules)."""
+    times = []
+    key = [os.urandom(KEY_BYTES)]
+    try:
+        for _ in range(tries):
+            start = time.perf_counter()
+            store.count_prefix(key)
+            times.append(time.perf_counter() - start)
+    except Exception:  # a store that cannot answer now: decided by its own rules
+        return None
+    return min(times)
+
+
 _STAGED = StoreCapabilities(read_into=False, prefers_async_load=False, num_slots=None, check=None)  # host staging
 
 
@@ -306,4 +326,4 @@ class PrefetchWorker:
         return self.staging.wait(timeout_s)
 
 
-__all__ = ["ASK_AGAIN", "HostStaging", "PrefetchPlanner", "PrefetchWorker", "StagedReader"]
+__all__ = ["ASK_AGAIN", "HostStaging", "PrefetchPlanner", "PrefetchWorker", "StagedReader", "lookup_round_trip"]

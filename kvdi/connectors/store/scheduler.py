@@ -27,7 +27,7 @@ from kvdi.connectors.base import (
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.keys import block_keys
 from kvdi.connectors.store.plan import RequestPlan
-from kvdi.connectors.store.prefetch import ASK_AGAIN, PrefetchPlanner
+from kvdi.connectors.store.prefetch import ASK_AGAIN, PrefetchPlanner, lookup_round_trip
 from kvdi.connectors.store.protocol import prefers_async_load, require_store
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,14 @@ logger = logging.getLogger(__name__)
 ASYNC_LOAD_MIN_BYTES = 16 << 20
 """Under ``async_load=auto``, a hit at least this large loads asynchronously even from a local store:
 reading and verifying it (about 2-4 GB/s here) takes longer than the step of latency an async load adds."""
+
+AUTO_PREFETCH_LOOKUP_S = 1e-3
+"""Under ``async_load=auto`` with a host that relays prefetch reports (vLLM): a store that says it is remote
+(``prefers_async_load``) or whose lookup round trip (the fastest of 5 at start) takes at least this long (a store
+across a network) loads its hits through prefetch at lookup. Measured (``benchmarks/vllm/bench_remote.py``, Redis
+behind a proxy): on loopback a synchronous load is the cheapest; at 1 and 5 ms each way prefetch's loading round
+stays within 1.0x of (local hit + raw transfer) where a synchronous one takes 1.05x and 1.71x and stalls the tail
+of running requests' inter-token latency (p90 2.6x at 5 ms)."""
 
 
 @dataclass(frozen=True)
@@ -59,14 +67,22 @@ class StoreSchedulerConnector(SchedulerConnector):
         self._plans: dict[str, RequestPlan] = {}
         self._async_loads: dict[str, BlockTransfer] = {}
         self.prefetch: PrefetchPlanner | None = None  # set by a host that relays the worker's reports
+        self.lookup_s: float | None = None  # the store's lookup round trip, measured under auto (:meth:`_remote`)
 
     def enable_prefetch(self) -> bool:
-        """Called by a host that relays :meth:`prefetched` reports (the vLLM adapter); True when
-        ``transfer.async_load=prefetch`` is set, so lookups prefetch into host staging from now on."""
-        if self._transfer.async_load == "prefetch" and self.prefetch is None:
+        """Called by a host that relays :meth:`prefetched` reports (the vLLM adapter); True when lookups prefetch
+        into host staging from now on: ``transfer.async_load=prefetch``, or ``auto`` for a remote store
+        (:data:`AUTO_PREFETCH_LOOKUP_S`; :attr:`lookup_s` holds the measured round trip)."""
+        mode = self._transfer.async_load
+        if self.prefetch is None and (mode == "prefetch" or (mode == "auto" and self._remote())):
             frame = self._block_bytes + HEADER_SIZE
             self.prefetch = PrefetchPlanner(self._transfer.prefetch_max_bytes, frame)
         return self.prefetch is not None
+
+    def _remote(self) -> bool:
+        """Whether the store is across a network: it says so, or a lookup takes :data:`AUTO_PREFETCH_LOOKUP_S`."""
+        self.lookup_s = lookup_round_trip(self.store)
+        return prefers_async_load(self.store) or (self.lookup_s or 0.0) >= AUTO_PREFETCH_LOOKUP_S
 
     def prefetched(self, reports: Iterable[tuple[str, int]]) -> None:
         """The worker half's reports of finished prefetches: ``(request, leading blocks staged)``."""
@@ -119,7 +135,9 @@ class StoreSchedulerConnector(SchedulerConnector):
         try:
             # From vLLM's local hit onward: the engine holds the blocks before it, and the keys chain from
             # block 0, so a held key at ``first`` is the same prefix whether or not the store kept the earlier ones.
-            plan.stored = self.store.count_prefix(plan.keys[first:]) if first < len(plan.keys) else 0
+            # No round trip when vLLM already holds every block that could load (the last token always computes).
+            loadable = loadable_tokens(len(request.prompt_token_ids), bs) // bs
+            plan.stored = self.store.count_prefix(plan.keys[first:]) if first < loadable else 0
         except Exception as exc:  # anything a store raises is a miss
             self.stats.load_failures += 1
             logger.warning("kv connector %r: store lookup failed, treating as a miss: %r", self.name, exc)
@@ -198,4 +216,4 @@ class StoreSchedulerConnector(SchedulerConnector):
         return plan is not None and plan.held, None
 
 
-__all__ = ["ASYNC_LOAD_MIN_BYTES", "StoreSchedulerConnector", "StoreTransferMetadata"]
+__all__ = ["ASYNC_LOAD_MIN_BYTES", "AUTO_PREFETCH_LOOKUP_S", "StoreSchedulerConnector", "StoreTransferMetadata"]

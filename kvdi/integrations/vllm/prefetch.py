@@ -1,4 +1,5 @@
-"""Prefetch at lookup in vLLM (``transfer.async_load=prefetch``): the adapter relays the worker's reports.
+"""Prefetch at lookup in vLLM (``transfer.async_load=prefetch``, or ``auto`` for a remote store): the adapter
+relays the worker's reports.
 
 The store halves do the work (:mod:`kvdi.connectors.store.prefetch`): a lookup that finds a hit
 answers vLLM ``None`` ("ask again": the request waits, holding no KV block) while the worker
@@ -9,7 +10,9 @@ in-process and its multiprocess engine core alike.
 
 Prefetch runs with one KV cache group, one worker rank (no tensor or pipeline parallelism: each
 rank would stage its own slice and report on its own) and a store read by the worker itself
-(not a :class:`BlockIndex` connector); otherwise hits take ``async_load=auto``'s path, as logged.
+(not a :class:`BlockIndex` connector); otherwise hits take ``async_load=auto``'s path, as logged. Under ``auto``
+the store half decides at start: a store that says it is remote, or whose lookup round trip measures 1 ms or
+more, prefetches (:data:`kvdi.connectors.store.scheduler.AUTO_PREFETCH_LOOKUP_S`); a local one does not.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ class PrefetchHooks:
     _index_mode: bool
 
     def _prefetch_setup(self) -> None:
-        """Scheduler role: turn prefetch on in the store half when ``async_load=prefetch`` and it can run."""
-        if self._scheduler is None or self.half.context.settings.transfer.async_load != "prefetch":
+        """Scheduler role: turn prefetch on in the store half when ``async_load=prefetch``, or when ``auto`` finds
+        the store remote (it says so, or its lookup round trip measures 1 ms or more), and it can run here."""
+        mode = self.half.context.settings.transfer.async_load
+        if self._scheduler is None or mode not in ("prefetch", "auto"):
             return
         enable = getattr(self._scheduler, "enable_prefetch", None)
         why = (
@@ -46,9 +51,19 @@ class PrefetchHooks:
             else None
         )  # fmt: skip
         if why is None and callable(enable) and enable():
-            logger.info("kvdi: prefetch at lookup on (host staging up to %d B)", self._scheduler.prefetch.max_bytes)
-            return
-        logger.warning("kvdi: transfer.async_load=prefetch is not available here (%s); hits load as with auto", why)
+            rtt = getattr(self._scheduler, "lookup_s", None)
+            measured = f"; store lookup {rtt * 1e3:.2f} ms" if rtt is not None else ""
+            logger.info(
+                "kvdi: prefetch at lookup on (async_load=%s%s; host staging up to %d B)",
+                mode, measured, self._scheduler.prefetch.max_bytes,
+            )  # fmt: skip
+        elif mode == "prefetch":
+            logger.warning("kvdi: transfer.async_load=prefetch is not available here (%s); hits load as with auto", why)
+        elif why is None:
+            rtt = getattr(self._scheduler, "lookup_s", None)
+            logger.info(
+                "kvdi: async_load=auto: a local store (lookup %s): no prefetch", f"{rtt * 1e3:.2f} ms" if rtt else "?"
+            )
 
     def _prefetch_reported(self, reports: tuple[tuple[str, int], ...]) -> None:
         """Scheduler role: the worker's finished prefetches, ``(request, leading blocks staged)``."""
