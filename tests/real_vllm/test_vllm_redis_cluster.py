@@ -27,9 +27,13 @@ require_vllm()
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
 
+@pytest.mark.parametrize("mode", ["in-process", "multiprocess"])
 def test_redis_cluster_across_two_engines(
-    tmp_path: Path, base_spec: dict[str, Any], prompts: list[list[int]], baseline_tokens: list[list[int]]
+    mode: str, tmp_path: Path, base_spec: dict[str, Any], prompts: list[list[int]], baseline_tokens: list[list[int]]
 ) -> None:
+    """Through the path ``async_load=auto`` picks (on loopback: synchronous loads), in vLLM's in-process engine
+    core and in its multiprocess one (what ``vllm serve`` runs)."""
+    env = IN_PROCESS if mode == "in-process" else {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     from kvdi.testing.redis_server import RedisClusterServers
 
     require_redis_tools()
@@ -40,7 +44,7 @@ def test_redis_cluster_across_two_engines(
             kv = kv_config(
                 "redis", stats_dir=stats[-1], redis__url=cluster.url, redis__cluster=True, redis__key_prefix="kvdi-it:"
             )
-            results.append(run_engine(tmp_path, name, {**base_spec, "kv": kv}, env=IN_PROCESS))
+            results.append(run_engine(tmp_path, name, {**base_spec, "kv": kv}, env=env))
         holding = [cluster.dbsize(m) for m in cluster.masters()]
 
     assert [r["rounds"][0]["tokens"] for r in results] == [baseline_tokens, baseline_tokens]
