@@ -52,7 +52,7 @@ from typing import Any
 
 from benchmarks.vllm.bench_remote_report import report, table
 from benchmarks.vllm.bench_remote_store import KEY_PREFIX, auto_pick, loaded_keys, raw_transfer
-from benchmarks.vllm.bench_vllm import check_tokens, run_engine
+from benchmarks.vllm.bench_vllm import add_engine_args, check_tokens, run_engine
 from tests.real_vllm.vllm_support import IN_PROCESS, VOCAB, kv_config, make_prompts, make_tiny_llama, read_stats
 
 MODES = {"in-process": IN_PROCESS, "multiprocess": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}
@@ -316,21 +316,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--settle-s", type=float, default=1.0, help="pause at each barrier (background saves finish)")
     p.add_argument("--prompts", type=int, default=6, help="requests per loading round")
     p.add_argument("--tokens", type=int, default=768, help="prompt tokens")
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--running", type=int, default=4, help="mix: running requests")
-    p.add_argument("--running-tokens", type=int, default=256)
-    p.add_argument("--running-max-tokens", type=int, default=48)
-    p.add_argument("--arrivals", type=int, default=4, help="mix: arriving requests that load their prefix")
-    p.add_argument("--every", type=int, default=2, help="mix: steps between arrivals")
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
     p.add_argument("--raw-tries", type=int, default=5, help="pipelined GETs per raw-transfer figure (median)")
-    p.add_argument("--phase-timeout", type=float, default=120.0, help="an engine stuck this long in one phase fails")
-    p.add_argument("--max-minutes", type=float, default=30.0, help="start no repeat that would end past this")
-    p.add_argument("--work", type=Path, default=None, help="keep engines' specs, logs and stats here")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    add_engine_args(p, max_minutes=30.0)
     args = p.parse_args(argv)
     if args.quick:
         args.repeats = 1 if "--repeats" not in (argv or sys.argv) else args.repeats

@@ -277,6 +277,24 @@ def bench(args: argparse.Namespace, work: Path, redis_url: str) -> dict[str, Any
     }
 
 
+def add_engine_args(p: argparse.ArgumentParser, max_minutes: float) -> None:
+    """The options every vLLM benchmark here shares: the mix workload, the tiny model, limits, outputs."""
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--running", type=int, default=4, help="mix: running requests")
+    p.add_argument("--running-tokens", type=int, default=256)
+    p.add_argument("--running-max-tokens", type=int, default=48)
+    p.add_argument("--arrivals", type=int, default=4, help="mix: arriving requests that load their prefix")
+    p.add_argument("--every", type=int, default=2, help="mix: steps between arrivals")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--phase-timeout", type=float, default=120.0, help="an engine stuck this long in one phase fails")
+    p.add_argument("--max-minutes", type=float, default=max_minutes, help="start no repeat that would end past this")
+    p.add_argument("--work", type=Path, default=None, help="keep engines' specs, logs and stores here")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument(
@@ -288,22 +306,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=6, help="requests per round")
     p.add_argument("--tokens", type=int, default=768, help="prompt tokens")
     p.add_argument("--system-tokens", type=int, default=512, help="shared system prompt of workload d")
-    p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--a-rounds", type=int, default=3, help="fresh rounds (at least 2)")
     p.add_argument("--c-rounds", type=int, default=3)
-    p.add_argument("--running", type=int, default=4, help="workload e: running requests")
-    p.add_argument("--running-tokens", type=int, default=256)
-    p.add_argument("--running-max-tokens", type=int, default=48)
-    p.add_argument("--arrivals", type=int, default=4, help="workload e: arriving requests (prompts of a_2)")
-    p.add_argument("--every", type=int, default=2, help="workload e: steps between arrivals")
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--phase-timeout", type=float, default=120.0, help="an engine stuck this long in one phase fails")
-    p.add_argument("--max-minutes", type=float, default=40.0, help="start no repeat that would end past this")
-    p.add_argument("--work", type=Path, default=None, help="keep engines' specs, logs and stores here")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    add_engine_args(p, max_minutes=40.0)
     args = p.parse_args(argv)
     if args.quick:
         args.repeats = min(args.repeats, 2)
