@@ -213,22 +213,6 @@ def test_auto_prefetches_from_a_store_that_is_remote_by_measurement(
         assert engine.scheduler.lookup_s is not None and (engine.scheduler.lookup_s >= 0.001) is prefetches
 
 
-def test_no_lookup_round_trip_when_vllm_already_holds_every_loadable_block() -> None:
-    """A block-aligned prompt whose every loadable block vLLM's prefix cache holds (all but the one with the last
-    token) can load nothing: the store is not asked (a remote store's round trip saved per request)."""
-    store = SlowLookups()
-    _stored(store)
-    engine = Engine(store, LAYOUT, make_settings(), seed=2)
-    aligned = request(range(16))  # 4 blocks of 4 tokens: 3 loadable
-    calls: list[int] = []
-    count = store.count_prefix
-    store.count_prefix = lambda keys: calls.append(len(keys)) or count(keys)  # type: ignore[method-assign]
-    assert engine.scheduler.get_num_new_matched_tokens(aligned, 12) == (0, False)
-    assert calls == []
-    engine.scheduler.get_num_new_matched_tokens(aligned, 8)  # one loadable block left: asked
-    assert calls == [2]
-
-
 @pytest.mark.parametrize("value", ["0", "-1", "lots"])
 def test_prefetch_max_bytes_is_bounded(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVDI_TRANSFER__PREFETCH_MAX_BYTES", value)

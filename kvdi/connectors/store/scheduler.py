@@ -135,9 +135,9 @@ class StoreSchedulerConnector(SchedulerConnector):
         try:
             # From vLLM's local hit onward: the engine holds the blocks before it, and the keys chain from
             # block 0, so a held key at ``first`` is the same prefix whether or not the store kept the earlier ones.
-            # No round trip when vLLM already holds every block that could load (the last token always computes).
-            loadable = loadable_tokens(len(request.prompt_token_ids), bs) // bs
-            plan.stored = self.store.count_prefix(plan.keys[first:]) if first < loadable else 0
+            # Asked even when vLLM holds every loadable block: the answer also says whether the last full block
+            # (the one with the last token, computed anyway) is stored, so that it is not saved again.
+            plan.stored = self.store.count_prefix(plan.keys[first:]) if first < len(plan.keys) else 0
         except Exception as exc:  # anything a store raises is a miss
             self.stats.load_failures += 1
             logger.warning("kv connector %r: store lookup failed, treating as a miss: %r", self.name, exc)
