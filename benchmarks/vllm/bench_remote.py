@@ -30,7 +30,7 @@ through the proxy). Per repeat:
   it). The ITL figure is the running requests' median inter-token gap while arrivals are in
   flight (the 90th percentile is reported too: a few stalled steps barely move a median).
 
-``auto`` is not run: it picks ``off`` or ``on`` (see ``auto_pick``), and the table says which.
+``auto`` is not run: per delay it picks ``off``, ``on`` or ``prefetch`` (see ``auto_pick``), and the table says which.
 kvdi's worker counters (``load_steps_*``) are read at each delay's barrier, so steps per
 asynchronous load are per delay. Greedy tokens must be identical across every engine for the
 same prompt (exit 1 otherwise).
@@ -262,7 +262,7 @@ def bench(args: argparse.Namespace, work: Path, server_url: str, proxy: Any) -> 
             "settle_s_at_each_barrier": args.settle_s,
             "modes": args.modes,
             "paths": args.paths,
-            "auto": auto_pick(hit_bytes),
+            "auto": auto_pick(hit_bytes, args.delays_ms),
             "prompts_per_round": args.prompts,
             "prompt_tokens": args.tokens,
             **engine_setup(args),

@@ -76,7 +76,7 @@ def report(doc: dict[str, Any]) -> dict[str, Any]:
     """``{"figures": ..., "ratios": [...]}`` for ``doc`` (engines, raw_transfer, setup)."""
     setup, engines = doc["setup"], doc["engines"]
     delays = [f"{d:g}" for d in setup["delays_ms_each_way"]]
-    auto = setup["auto"]["path"]
+    by_delay = setup["auto"].get("by_delay") or {}  # runs made before auto measured the lookup: one pick
     figures: dict[str, Any] = {}
     ratios: list[dict[str, Any]] = []
     for d in delays:
@@ -127,7 +127,7 @@ def report(doc: dict[str, Any]) -> dict[str, Any]:
                     )
                 fig["steps_per_async_load"] = spread(list(per_engine(e, steps_per_load(d)).values()))
                 figures[f"{mode}/{path}@{d}"] = fig
-                is_auto = path == auto
+                is_auto = path == by_delay.get(d, setup["auto"]["path"])
                 tag = "auto's pick" if is_auto else ""
                 add(
                     path,
@@ -182,7 +182,8 @@ def table(doc: dict[str, Any]) -> str:
         f"bench_remote: {s['repeats']} repeats, delays {s['delays_ms_each_way']} ms each way, on a {s['cpus']}-core "
         f"machine shared with other jobs (1-min load average after each engine {load['median']:.1f} "
         f"[{load['min']:.1f}-{load['max']:.1f}]): noisy figures",
-        f"auto picks '{s['auto']['path']}' here ({s['auto']['why']}); it is not run separately",
+        f"auto picks {s['auto'].get('by_delay') or repr(s['auto']['path'])} here ({s['auto']['why']}); "
+        "it is not run separately",
         f"tokens identical across engines: {doc['tokens_identical']} ({doc['token_mismatches']} mismatches)",
         "",
         "RATIOS (median of per-repeat ratios [min-max], n)",
