@@ -165,6 +165,7 @@ def test_a_prefetch_the_store_fails_is_a_miss() -> None:
     _wait_reported(consumer)
     assert _admit(consumer) == (0, False)  # recomputed
     assert consumer.worker.staging is not None and consumer.worker.staging.failed == 1
+    assert consumer.worker.stats.load_failures == 1  # a counted miss
 
 
 def test_prefetch_without_a_host_that_relays_reports_loads_as_auto() -> None:

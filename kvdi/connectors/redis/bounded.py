@@ -104,17 +104,7 @@ class _Reader:
     def exact(self, n: int) -> bytearray:
         """``n`` bytes and the CRLF after them, read straight into one buffer."""
         out = bytearray(n)
-        have = min(n, len(self.buf) - self.pos)
-        out[:have] = self.buf[self.pos : self.pos + have]
-        self.pos += have
-        view = memoryview(out)
-        while have < n:
-            self._wait()
-            got = self.sock.recv_into(view[have:], n - have)
-            if not got:
-                raise ConnectionError("the server closed the connection")
-            have += got
-        self._crlf()
+        self.into((memoryview(out),))
         return out
 
     def into(self, views: Sequence[memoryview]) -> None:

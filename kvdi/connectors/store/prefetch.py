@@ -26,7 +26,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvdi.connectors.base import BlockTransfer
+from kvdi.connectors.base import BlockTransfer, ConnectorStats
 from kvdi.connectors.store.framing import Buffer
 from kvdi.connectors.store.keys import KEY_BYTES
 from kvdi.connectors.store.protocol import BlockStore, StoreCapabilities
@@ -113,10 +113,6 @@ class PrefetchPlanner:
         return send, drops
 
     @property
-    def pending(self) -> int:
-        return len(self._planned)
-
-    @property
     def drops_due(self) -> bool:
         """Staging of ended requests not yet dropped: the host should step once more to tell the worker."""
         return bool(self._drops)
@@ -144,7 +140,8 @@ class HostStaging:
         self._staged: dict[str, _Staged] = {}
         self._reports: list[tuple[str, int]] = []
         self.refused = 0  # prefetches past the bound: reported as misses
-        self.failed = 0  # prefetches the store failed: reported as misses
+        self.failed = 0  # prefetches the store failed: reported as misses, counted as load failures
+        self._failed_counted = 0
 
     @classmethod
     def of(cls, store: BlockStore, transfer: TransferSettings, frame_bytes: int, name: str) -> HostStaging | None:
@@ -157,7 +154,13 @@ class HostStaging:
     def held_bytes(self) -> int:
         """Bytes reserved for staged or running prefetches."""
         with self._lock:
-            return sum(s.nbytes for s in self._staged.values())
+            return self._held_locked()
+
+    def _held_locked(self) -> int:
+        return sum(s.nbytes for s in self._staged.values())
+
+    def _running_locked(self) -> list[Future[int]]:
+        return [s.future for s in self._staged.values() if s.future is not None and not s.future.done()]
 
     @property
     def requests(self) -> set[str]:
@@ -174,7 +177,7 @@ class HostStaging:
     def start(self, request_id: str, keys: Sequence[bytes]) -> None:
         nbytes = len(keys) * self.frame_bytes
         with self._lock:
-            if request_id in self._staged or self.held_bytes_locked() + nbytes > self.max_bytes:
+            if request_id in self._staged or self._held_locked() + nbytes > self.max_bytes:
                 self.refused += 1
                 self._reports.append((request_id, 0))
                 return
@@ -182,9 +185,6 @@ class HostStaging:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=f"kvdi-{self.name}-prefetch")
         staged.future = self._pool.submit(self._fetch, request_id, staged, tuple(keys))
-
-    def held_bytes_locked(self) -> int:
-        return sum(s.nbytes for s in self._staged.values())
 
     def _fetch(self, request_id: str, staged: _Staged, keys: tuple[bytes, ...]) -> int:
         """Background: the leading present objects of ``keys`` (one store call), staged; how many."""
@@ -210,11 +210,13 @@ class HostStaging:
                 self._reports.append((request_id, count))
         return count
 
-    def reports(self) -> list[tuple[str, int]]:
-        """Prefetches finished since the last call: ``(request, leading objects staged)``."""
+    def reports(self) -> tuple[list[tuple[str, int]], int]:
+        """Prefetches finished since the last call, ``(request, leading objects staged)``, and how many of them
+        the store failed (for the worker half's ``load_failures``)."""
         with self._lock:
             out, self._reports = self._reports, []
-        return out
+            failed, self._failed_counted = self.failed - self._failed_counted, self.failed
+        return out, failed
 
     def drop(self, request_id: str) -> None:
         """Free a request's staging now (a running fetch frees it when it ends)."""
@@ -237,12 +239,12 @@ class HostStaging:
     @property
     def in_flight(self) -> int:
         with self._lock:
-            return sum(1 for s in self._staged.values() if s.future is not None and not s.future.done())
+            return len(self._running_locked())
 
     def wait(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` until a running prefetch ends (GIL released); True when one did or none ran."""
         with self._lock:
-            running = [s.future for s in self._staged.values() if s.future is not None and not s.future.done()]
+            running = self._running_locked()
         if not running:
             return True
         done, _ = wait(running, timeout=timeout_s, return_when=FIRST_COMPLETED)
@@ -308,10 +310,16 @@ class PrefetchWorker:
     store: BlockStore
     capabilities: StoreCapabilities
     staging: HostStaging | None
+    stats: ConnectorStats
 
     def prefetch_reports(self) -> list[tuple[str, int]]:
-        """Prefetches finished since the last call, ``(request, leading blocks staged)``, for the scheduler half."""
-        return self.staging.reports() if self.staging is not None else []
+        """Prefetches finished since the last call, ``(request, leading blocks staged)``, for the scheduler half;
+        those the store failed are counted in ``load_failures`` (a miss, recomputed)."""
+        if self.staging is None:
+            return []
+        reports, failed = self.staging.reports()
+        self.stats.load_failures += failed
+        return reports
 
     def _source(self, request_id: str) -> tuple[BlockStore, StoreCapabilities]:
         """Where a request's load reads: its prefetched host staging (taken whole, then the store), else the store."""

@@ -156,16 +156,23 @@ class LayoutBridge:
             failed = {slot_to_block.get(s, s) for s in failed_slots}
             self._errors |= failed
             failed_requests.update(t.request_id for t in live if failed.intersection(t.block_ids))
-            self._scatter([(b, s) for b, s in pairs if s not in failed_slots and b not in self._errors])
+            self._copy(
+                [(b, s) for b, s in pairs if s not in failed_slots and b not in self._errors], into_scratch=False
+            )
 
-    def _scatter(self, good: Sequence[tuple[int, int]]) -> None:
-        if not good:
+    def _copy(self, pairs: Sequence[tuple[int, int]], into_scratch: bool) -> None:
+        """Copy the ``(vLLM block, scratch slot)`` pairs' blocks into scratch (a save) or out of it (a load)."""
+        if not pairs:
             return
-        blocks = torch.tensor([b for b, _ in good], dtype=torch.long)
-        slots = torch.tensor([s for _, s in good], dtype=torch.long)
+        blocks = torch.tensor([b for b, _ in pairs], dtype=torch.long)
+        slots = torch.tensor([s for _, s in pairs], dtype=torch.long)
         for name, view in self.views.items():
-            src = self.scratch[name]
-            view[blocks.to(view.device)] = src[slots.to(src.device)]
+            scratch = self.scratch[name]
+            at_block, at_slot = blocks.to(view.device), slots.to(scratch.device)
+            if into_scratch:
+                scratch[at_slot] = view[at_block]
+            else:
+                view[at_block] = scratch[at_slot]
 
     def save(self, wait: Callable[[], None]) -> None:
         """Run this step's saves (``wait``: the worker half's ``wait_for_save``), round by round: the
@@ -174,12 +181,7 @@ class LayoutBridge:
             wait()
             return
         for transfers in self._save_rounds:
-            pairs = self._bind_round(transfers, saves=True, last=False)
-            blocks = torch.tensor([b for b, _ in pairs], dtype=torch.long)
-            slots = torch.tensor([s for _, s in pairs], dtype=torch.long)
-            for name, view in self.views.items():
-                dst = self.scratch[name]
-                dst[slots.to(dst.device)] = view[blocks.to(view.device)]
+            self._copy(self._bind_round(transfers, saves=True, last=False), into_scratch=True)
             wait()
 
     def take_errors(self) -> set[int]:
