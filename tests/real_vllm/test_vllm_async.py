@@ -12,7 +12,6 @@ vLLM must hold no request and every block must be free again (nothing leaked by 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 
 from tests.real_vllm.vllm_support import (
     IN_PROCESS,
-    block_file,
+    corrupt_copy,
     expected_blocks,
     expected_saved,
     kv_config,
@@ -39,17 +38,6 @@ def assert_drained(result: dict[str, Any]) -> None:
     drain = result["drain"]
     assert drain["requests_left"] == 0
     assert drain["free_blocks"] == drain["total_blocks"] - 1
-
-
-def corrupt_copy(stored: dict[str, Any], name: str, prompt: list[int]) -> Path:
-    """A copy of the stored objects with one payload byte of ``prompt``'s block 0 flipped."""
-    store = stored["work"] / name
-    shutil.copytree(stored["store"], store)
-    victim = block_file(store, prompt, 0)
-    data = bytearray(victim.read_bytes())
-    data[-1] ^= 0xFF
-    victim.write_bytes(bytes(data))
-    return store
 
 
 @pytest.fixture(scope="module")

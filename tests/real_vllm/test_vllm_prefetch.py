@@ -18,7 +18,6 @@ memory. Shown here:
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from tests.helpers.redis import require_redis_tools
 from tests.real_vllm.vllm_support import (
     HERE,
     IN_PROCESS,
-    block_file,
+    corrupt_copy,
     expected_blocks,
     expected_saved,
     kv_config,
@@ -133,17 +132,6 @@ def slow_store(tmp_path_factory: pytest.TempPathFactory, base_spec: dict[str, An
     return {"work": work, "store": store, "tokens": result["rounds"][0]["tokens"]}
 
 
-def _corrupt_copy(slow_store: dict[str, Any], name: str) -> Path:
-    """A copy of the store with one payload byte of prompt 0's block 0 flipped."""
-    store = slow_store["work"] / name
-    shutil.copytree(slow_store["store"], store)
-    victim = block_file(store, MANY[0], 0)
-    data = bytearray(victim.read_bytes())
-    data[-1] ^= 0xFF
-    victim.write_bytes(bytes(data))
-    return store
-
-
 def _slow_kv(store: Path, stats: Path, load: str = "prefetch", **extra: Any) -> dict[str, Any]:
     kv = kv_config(
         "slow_reads",
@@ -157,14 +145,26 @@ def _slow_kv(store: Path, stats: Path, load: str = "prefetch", **extra: Any) -> 
     return kv
 
 
+def _corrupt_run(
+    slow_store: dict[str, Any],
+    name: str,
+    spec: dict[str, Any],
+    load: str = "prefetch",
+    script: Path | None = None,
+    **extra: Any,
+) -> tuple[dict[str, Any], Path]:
+    """One in-process engine over a copy of the slow store whose prompt 0 has a corrupt block 0; (result, stats dir)."""
+    store, stats = corrupt_copy(slow_store, f"store-{name}", MANY[0]), slow_store["work"] / f"stats-{name}"
+    run = {**spec, "kv": _slow_kv(store, stats, load, **extra)}
+    scripts = {"script": script} if script is not None else {}
+    return run_engine(slow_store["work"], name, run, env=IN_PROCESS, **scripts), stats
+
+
 def test_staging_stays_bounded_under_24_requests_aborts_free_it_and_a_corrupt_block_is_recomputed(
     slow_store: dict[str, Any], base_spec: dict[str, Any]
 ) -> None:
-    work = slow_store["work"]
-    store = _corrupt_copy(slow_store, "store-probe")
-    stats = work / "stats-probe"
-    spec = {**base_spec, "prompts": MANY, "kv": _slow_kv(store, stats), "abort": [1, 2]}
-    result = run_engine(work, "probe", spec, env=IN_PROCESS, script=PROBE)
+    spec = {**base_spec, "prompts": MANY, "abort": [1, 2]}
+    result, stats = _corrupt_run(slow_store, "probe", spec, script=PROBE)
 
     probes = result["probes"]
     print(f"\nprobes: {probes}")
@@ -183,12 +183,9 @@ def test_staging_stays_bounded_under_24_requests_aborts_free_it_and_a_corrupt_bl
 def test_a_corrupt_staged_block_under_fail_policy_fails_only_its_request(
     slow_store: dict[str, Any], base_spec: dict[str, Any]
 ) -> None:
-    work = slow_store["work"]
-    store = _corrupt_copy(slow_store, "store-fail")
-    stats = work / "stats-fail"
-    prompts = MANY[:4]
-    kv = _slow_kv(store, stats, "auto", kv_load_failure_policy="fail")  # a store that says it is remote: prefetch
-    result = run_engine(work, "fail", {**base_spec, "prompts": prompts, "kv": kv}, env=IN_PROCESS)
+    spec = {**base_spec, "prompts": MANY[:4]}
+    # auto, with a store that says it is remote: prefetch
+    result, stats = _corrupt_run(slow_store, "fail", spec, "auto", kv_load_failure_policy="fail")
 
     first = result["rounds"][0]
     assert first["finish_reasons"][0] == "error"

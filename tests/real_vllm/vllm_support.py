@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +137,18 @@ def block_file(store: Path, prompt: list[int], index: int) -> Path:
     fingerprint = any_object.read_bytes()[8:24]
     key = chain_keys(prompt, BLOCK_SIZE, chain_seed(fingerprint, None))[index].hex()
     return store / key[:2] / key
+
+
+def corrupt_copy(stored: dict[str, Any], name: str, prompt: list[int]) -> Path:
+    """A copy of ``stored["store"]`` (a shared_storage folder) at ``stored["work"] / name`` with one payload byte
+    of ``prompt``'s block 0 flipped (only the checksum can tell)."""
+    store = stored["work"] / name
+    shutil.copytree(stored["store"], store)
+    victim = block_file(store, prompt, 0)
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    return store
 
 
 def spec_main(argv: list[str], run: Any) -> int:
