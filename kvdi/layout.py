@@ -28,7 +28,10 @@ class KVCacheSpec:
     ``group`` names one of vLLM's KV cache groups (its kind, window, block size and layers)
     when a hybrid model stores each group on its own (empty otherwise); ``page_bytes``, when
     set, is one layer's block in bytes for state that is not K and V (vLLM's Mamba pages).
-    Both enter the fingerprint only when set, so single-group layouts keep theirs.
+    ``block_order`` names the order of a stored block's bytes (vLLM's KV cache layouts:
+    ``"nhc"`` or ``"hnc"``, :mod:`kvdi.integrations.vllm.views`; empty: kvdi's
+    :attr:`block_shape`). Each enters the fingerprint only when set, so layouts without them
+    keep theirs.
     """
 
     model_id: str
@@ -39,6 +42,7 @@ class KVCacheSpec:
     dtype: str
     group: str = ""
     page_bytes: int = 0
+    block_order: str = ""
 
     @classmethod
     def from_settings(cls, settings: KvdiSettings) -> KVCacheSpec:
@@ -83,6 +87,8 @@ class KVCacheSpec:
         )
         if self.group or self.page_bytes:
             text += f"|group={self.group}|page={self.page_bytes}"
+        if self.block_order:
+            text += f"|order={self.block_order}"
         return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 

@@ -29,10 +29,12 @@ from kvdi.connectors.base import (
 )
 from kvdi.connectors.store.keys import block_keys
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
+from kvdi.integrations.vllm.bridge import LayoutBridge
 from kvdi.integrations.vllm.groups import GroupSpec, best_boundary, hit_unit
-from kvdi.integrations.vllm.layout import kvdi_layer_view, mamba_pages
+from kvdi.integrations.vllm.layout import kvdi_layer_view
 from kvdi.integrations.vllm.parallel import KeyLookup, RankSlice
 from kvdi.integrations.vllm.requests import RequestTracker
+from kvdi.integrations.vllm.views import page_view
 from kvdi.layout import KVCacheSpec
 
 if TYPE_CHECKING:
@@ -189,10 +191,11 @@ class HybridScheduler(SchedulerConnector):
 
 def group_view(cache: Any, layout: KVCacheSpec, num_blocks: int | None) -> torch.Tensor:
     """One layer of one group as ``view[block_id]``: attention as :func:`kvdi_layer_view`; a Mamba layer's
-    state tensors (views into one page per block) as the raw ``[num_blocks, page_bytes]`` bytes of its pages."""
+    state tensors (views into one page per block) as the raw ``[num_blocks, page_bytes]`` bytes of its pages
+    (:func:`~kvdi.integrations.vllm.views.page_view`)."""
     if not layout.page_bytes:
         return kvdi_layer_view(cache, layout, num_blocks)
-    return mamba_pages(cache, layout.page_bytes)
+    return page_view(cache, layout.page_bytes)
 
 
 def _transfer(request_id: str, ids: Sequence[int], keys: Sequence[bytes], picked: Sequence[int]) -> BlockTransfer:
@@ -216,6 +219,7 @@ class HybridWorker(WorkerConnector):
         self._pending: dict[str, _Pending] = {}
         self._failed: set[str] = set()
         self.saved_blocks = [0] * len(self.groups)
+        self.bridges: list[LayoutBridge] = []
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """``kv_caches`` by vLLM layer name; each group's half gets its own layers as ``layers.<i>``."""
@@ -223,14 +227,20 @@ class HybridWorker(WorkerConnector):
 
     def register_vllm_caches(self, kv_caches: Mapping[str, Any], num_blocks: int | None) -> None:
         """vLLM's per-layer caches (groups overlay the same memory): each group's half gets block views of its
-        own layers, addressed by that group's block ids (:func:`group_view`)."""
-        for group, half in zip(self.groups, self.halves, strict=True):
-            layout = half.context.layout
-            views = {
-                f"layers.{i}": group_view(kv_caches[name], layout, num_blocks)
+        own layers, addressed by that group's block ids (:func:`group_view`), through its own
+        :class:`LayoutBridge`: zero-copy where the group's blocks are contiguous, else bounded scratch. The
+        groups that need scratch share ``allocator.max_staging_bytes`` evenly."""
+        per_group = [
+            {
+                f"layers.{i}": group_view(kv_caches[name], half.context.layout, num_blocks)
                 for i, name in enumerate(group.layer_names)
             }
-            half.register_kv_caches(views)
+            for group, half in zip(self.groups, self.halves, strict=True)
+        ]
+        bridged = sum(1 for views in per_group if not all(v.is_contiguous() for v in views.values()))
+        budget = self.context.settings.allocator.max_staging_bytes // max(1, bridged)
+        self.bridges = []  # the old bridges' scratch goes before the new is made
+        self.bridges = [LayoutBridge(views, half, budget) for views, half in zip(per_group, self.halves, strict=True)]
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(metadata)
@@ -245,7 +255,8 @@ class HybridWorker(WorkerConnector):
             if meta.async_save:
                 for t in meta.saves:
                     self._pending.setdefault(t.request_id, _Pending()).holding.add(g)
-            half.bind_connector_metadata(self.shape.rekey(meta) if self.shape.sliced else meta)
+            bound = self.shape.rekey(meta) if self.shape.sliced else meta
+            half.bind_connector_metadata(self.bridges[g].bind(bound) if self.bridges else bound)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -253,13 +264,16 @@ class HybridWorker(WorkerConnector):
             half.clear_connector_metadata()
 
     def start_load_kv(self) -> None:
-        for half in self.halves:
-            half.start_load_kv()
+        for g, half in enumerate(self.halves):
+            if self.bridges:
+                self.bridges[g].load(half.start_load_kv)  # through scratch: round by round
+            else:
+                half.start_load_kv()
         self._collect_errors()
 
     def _collect_errors(self) -> None:
         for g, half in enumerate(self.halves):
-            errors = half.get_block_ids_with_load_errors()
+            errors = self.bridges[g].take_errors() if self.bridges else half.get_block_ids_with_load_errors()
             if not errors:
                 continue
             for p in self._pending.values():
@@ -269,7 +283,10 @@ class HybridWorker(WorkerConnector):
     def wait_for_save(self) -> None:
         for g, half in enumerate(self.halves):
             before = half.stats.saved_blocks
-            half.wait_for_save()
+            if self.bridges:
+                self.bridges[g].save(half.wait_for_save)  # through scratch: round by round
+            else:
+                half.wait_for_save()
             self.saved_blocks[g] += half.stats.saved_blocks - before
         self._sum_stats()
 

@@ -3,7 +3,8 @@
 - :func:`kv_cache_spec` / :func:`layout_from_vllm`: kvdi's layout of vLLM's model and cache config;
 - :func:`rank_slice`: this process's place in vLLM's tensor/pipeline-parallel shape;
 - :func:`block_format_tag`: how a stored block's bytes are ordered on vLLM's CPU backend;
-- :func:`kvdi_layer_view` / :func:`ordered_layers`: vLLM's per-layer tensors addressed by block id.
+- :func:`kvdi_layer_view` / :func:`ordered_layers`: vLLM's per-layer tensors addressed by block id
+  (the layouts themselves: :mod:`.views`).
 
 Only :func:`block_format_tag` reads vLLM (its platform), and imports it when called.
 """
@@ -19,27 +20,38 @@ import torch
 from kvdi.errors import ConfigError
 from kvdi.integrations.vllm.config import model_identity
 from kvdi.integrations.vllm.parallel import RankSlice
+from kvdi.integrations.vllm.views import block_view, stored_order
 from kvdi.layout import KVCacheSpec
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def kv_cache_spec(vllm_config: Any, tag: str = "") -> KVCacheSpec:
-    """kvdi's KVCacheSpec of vLLM's paged cache: layers, KV heads, head dim, block size, dtype, model id.
+    """kvdi's KVCacheSpec of vLLM's paged cache: layers, KV heads, head dim, block size, dtype, model id, block order.
 
     ``vllm_config`` is vLLM's ``VllmConfig``; ``tag`` is appended to the model id (the block
     format, the parallel shape and rank: see :func:`layout_from_vllm`). Layers and KV heads
-    are this rank's under tensor or pipeline parallelism. Raises ConfigError for what kvdi's
-    stored format cannot describe (quantized KV cache dtypes, other model dtypes).
+    are this rank's under tensor or pipeline parallelism. The block order follows the KV
+    cache layout vLLM resolved (``cache_config.kv_cache_layout``, set in every process before
+    a connector is built; :func:`~kvdi.integrations.vllm.views.stored_order`). Raises
+    ConfigError, in one line naming the layout and dtype, for what kvdi's stored format
+    cannot describe (quantized KV cache dtypes, other model dtypes).
     """
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    layout_name = getattr(cache, "kv_cache_layout", None)
+    order = stored_order(layout_name)
+    supported = "supported: kv_cache_dtype='auto' with a float32, float16 or bfloat16 model, in every KV cache layout"
     if cache.cache_dtype not in ("auto", None):
         raise ConfigError(
-            f"KvdiConnector needs kv_cache_dtype='auto', got {cache.cache_dtype!r}; set --kv-cache-dtype auto"
+            f"KvdiConnector cannot store kv_cache_dtype={cache.cache_dtype!r} (KV cache layout {layout_name}); "
+            f"{supported}: set --kv-cache-dtype auto"
         )
     dtype = _DTYPES.get(model.dtype) if isinstance(model.dtype, torch.dtype) else None
     if dtype is None:
-        raise ConfigError(f"KvdiConnector stores float32, float16 or bfloat16 KV; the model runs in {model.dtype}")
+        raise ConfigError(
+            f"KvdiConnector cannot store KV of a model running in {model.dtype} (KV cache layout {layout_name}); "
+            f"{supported}"
+        )
     return KVCacheSpec(
         model_id=f"{model_identity(vllm_config)}{tag}",
         num_layers=int(model.get_num_layers(parallel)),
@@ -47,6 +59,7 @@ def kv_cache_spec(vllm_config: Any, tag: str = "") -> KVCacheSpec:
         head_dim=int(model.get_head_size()),
         block_size=int(cache.block_size),
         dtype=dtype,
+        block_order=order,
     )
 
 
@@ -80,7 +93,8 @@ def block_format_tag(vllm_config: Any) -> str:
     bytes inside a block depends on the CPU attention ISA (for ``vec`` the K tile is
     ``[head_dim, block_size]``, the V tile ``[block_size, head_dim]``). The ISA goes into
     the fingerprint so blocks are only ever loaded by engines that pack them the same way.
-    Elsewhere blocks are stored in kvdi's order and the tag is empty.
+    Elsewhere the tag is empty: the layout's ``block_order`` (:func:`kv_cache_spec`) names
+    the order of the stored bytes.
     """
     from vllm.platforms import current_platform
 
@@ -99,9 +113,12 @@ def block_format_tag(vllm_config: Any) -> str:
 def kvdi_layer_view(cache: torch.Tensor, layout: KVCacheSpec, num_blocks: int | None = None) -> torch.Tensor:
     """One layer of vLLM's paged cache as kvdi's worker half addresses it: ``view[block_id]`` is that block.
 
-    - vLLM's CPU backend ``[blocks, heads, block_size, 2 * head_dim]``: returned as is. Each
-      block is contiguous and exactly ``layout.layer_block_bytes``, stored verbatim in the
-      attention ISA's packing (see :func:`block_format_tag`).
+    - vLLM 0.32's ``[B, H, N, C]`` view of any KV cache layout (kernel blocks, padded pages,
+      block-outermost packing included): :func:`~kvdi.integrations.vllm.views.block_view` in
+      the layout's ``block_order``, contiguous where vLLM's memory allows, else bridged.
+    - With no block order (kvdi's) and vLLM's CPU backend ``[blocks, heads, block_size,
+      2 * head_dim]`` contiguous: as is, stored verbatim in the attention ISA's packing (see
+      :func:`block_format_tag`); another 4-D view is viewed in kvdi's order.
     - ``[blocks, 2, block_size, heads, head_dim]`` (kvdi's order, FlashInfer NHD): as is.
     - ``[2, blocks, block_size, heads, head_dim]`` (FlashAttention NHD): a permuted, non-contiguous
       view in kvdi's order; :class:`LayoutBridge` copies such blocks through a scratch cache.
@@ -110,42 +127,20 @@ def kvdi_layer_view(cache: torch.Tensor, layout: KVCacheSpec, num_blocks: int | 
     """
     bs, heads, dim = layout.block_size, layout.num_kv_heads, layout.head_dim
     shape = tuple(cache.shape)
-    if cache.dim() == 4 and shape[1:] == (heads, bs, 2 * dim) and cache.is_contiguous():
-        return cache
-    if cache.dim() == 5 and shape[2:] == (bs, heads, dim):
+    if cache.dim() == 4:
+        if not layout.block_order and shape[1:] == (heads, bs, 2 * dim) and cache.is_contiguous():
+            return cache
+        return block_view(cache, layout)
+    if cache.dim() == 5 and shape[2:] == (bs, heads, dim) and not layout.block_order:
         if shape[1] == 2 and (num_blocks is None or shape[0] == num_blocks):
             return cache
         if shape[0] == 2:
             return cache.permute(1, 0, 2, 3, 4)
     raise ConfigError(
         f"KvdiConnector does not understand a paged KV tensor of shape {shape} (strides {tuple(cache.stride())}) "
-        f"for block_size={bs}, kv_heads={heads}, head_dim={dim}; supported: vLLM's CPU backend and NHD layouts"
+        f"for block_size={bs}, kv_heads={heads}, head_dim={dim}, block order {layout.block_order or 'kvdi'!r}; "
+        "supported: vLLM's [B, H, N, 2*head_dim] views of every KV cache layout and the 5-D NHD layouts"
     )
-
-
-def mamba_pages(state: Any, page_bytes: int) -> torch.Tensor:
-    """A Mamba layer's state tensors (vLLM: views into one raw page per block) as ``[num_blocks, page_bytes]`` bytes.
-
-    Raises ConfigError when the states do not lie in pages of ``page_bytes`` each.
-    """
-    import torch
-
-    tensors = list(state) if isinstance(state, list | tuple) else [state]
-    first = tensors[0]
-    num_blocks = int(first.shape[0])
-    storage = first.untyped_storage()
-    base = min(t.storage_offset() * t.element_size() for t in tensors)
-    if (
-        any(t.stride(0) * t.element_size() != page_bytes for t in tensors)
-        or storage.nbytes() < base + num_blocks * page_bytes
-    ):
-        raise ConfigError(
-            f"KvdiConnector does not understand Mamba state of shapes {[tuple(t.shape) for t in tensors]} "
-            f"(strides {[tuple(t.stride()) for t in tensors]}) as pages of {page_bytes} bytes"
-        )
-    raw = torch.empty(0, dtype=torch.uint8, device=first.device)
-    raw.set_(storage, base, (num_blocks, page_bytes), (page_bytes, 1))
-    return raw
 
 
 def ordered_layers(names: Sequence[str]) -> list[str]:
