@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvdi.errors import ConfigError  # noqa: E402
-from kvdi.integrations.vllm.layout import kv_cache_spec  # noqa: E402
+from kvdi.integrations.vllm.layout import kv_cache_spec, kvdi_layer_view  # noqa: E402
 from tests.real_vllm.layout_support import (  # noqa: E402
     BLOCK,
     DTYPES,
@@ -184,3 +184,21 @@ def test_a_quantized_cache_is_refused_in_one_line_naming_layout_and_dtype(tiny_m
         config.cache_config.cache_dtype = "auto"
     message = str(err.value)
     assert "\n" not in message and "'fp8'" in message and "LBNHC" in message and "kv_cache_dtype='auto'" in message
+
+
+@pytest.mark.parametrize(("layout", "kernel"), SPLITS)
+def test_block_compact_layouts_are_addressed_without_a_copy(
+    tmp_path: Path, tiny_model: Path, layout: str, kernel: int | None
+) -> None:
+    """Where every block is one run in the stored order (layer- or block-outermost, block-compact, an ``nhc``
+    split) kvdi addresses vLLM's memory itself; only LHBNC, BHLNC and a split ``hnc`` block go through scratch."""
+    from kvdi.integrations.vllm.views import block_rows
+
+    engine = Engine(vllm_config(tiny_model, "float16", 1), tmp_path, "view", layout, kernel=kernel)
+    try:
+        views = {name: kvdi_layer_view(cache, engine.connector.layout) for name, cache in engine.caches.items()}
+        zero_copy = all(v.is_contiguous() for v in views.values()) or block_rows(views) is not None
+        compact = KVCacheLayout[layout].is_block_compact and (kernel is None or not _heads_first(layout))
+        assert zero_copy == compact
+    finally:
+        engine.close()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, cast
 
 import torch
 
 from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, KVConnectorMetadata, WorkerConnector
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
+from kvdi.integrations.vllm.views import block_rows
 
 Round = list[BlockTransfer]  # transfers (vLLM block ids) whose blocks fit the scratch together
 
@@ -18,17 +19,20 @@ class LayoutBridge:
     """Gives kvdi's worker half caches whose blocks are contiguous, copying through bounded scratch only when needed.
 
     kvdi's store halves read and write each layer's block as one contiguous run of bytes.
-    When every view from :func:`kvdi_layer_view` has contiguous blocks (``direct``: vLLM's
-    CPU backend, NHD layouts with blocks outermost) the worker half gets vLLM's tensors and
-    nothing is copied. Otherwise the worker half is given a contiguous scratch cache in kvdi's
-    order, on vLLM's device, of at most ``max_bytes`` (``allocator.max_staging_bytes``; at least
-    one block): a step's loads run in rounds that each fit it (blocks mapped to scratch slots,
-    loaded, scattered into vLLM's cache), then its saves (gathered into scratch, saved). Through
-    scratch every transfer is synchronous (asynchronous loads and saves of the store halves run
-    within the step), and the store halves' requests are still reported as vLLM expects: each
-    asynchronous load leaves a marker (an empty load of its request) in the step's last load round.
-    A request whose blocks failed to load in one round loads no more of them in later rounds
-    (vLLM recomputes it from its first failed block anyway).
+    When every view from :func:`kvdi_layer_view` is contiguous (``direct``: vLLM's CPU
+    backend, LBNHC, NHD layouts with blocks outermost) the worker half gets vLLM's tensors
+    and nothing is copied. When each block is one run but runs lie a whole number of blocks
+    apart (BLNHC, BLHNC: :func:`~kvdi.integrations.vllm.views.block_rows`) it gets byte rows
+    over vLLM's memory and each step's block ids are scaled to rows, still without a copy.
+    Otherwise the worker half is given a contiguous scratch cache in the views' block order,
+    on vLLM's device, of at most ``max_bytes`` (``allocator.max_staging_bytes``; at least one
+    block): a step's loads run in rounds that each fit it (blocks mapped to scratch slots,
+    loaded, scattered into vLLM's cache), then its saves (gathered into scratch, saved).
+    Through scratch every transfer is synchronous (asynchronous loads and saves of the store
+    halves run within the step), and the store halves' requests are still reported as vLLM
+    expects: each asynchronous load leaves a marker (an empty load of its request) in the
+    step's last load round. A request whose blocks failed to load in one round loads no more
+    of them in later rounds (vLLM recomputes it from its first failed block anyway).
     """
 
     def __init__(
@@ -37,6 +41,12 @@ class LayoutBridge:
         self.views = dict(views)
         self.worker = worker
         self.direct = all(v.is_contiguous() for v in self.views.values())
+        self.row_step = 1  # vLLM's block b is row b * row_step of the caches the worker half addresses
+        registered = self.views
+        rows = None if self.direct else block_rows(self.views)
+        if rows is not None:  # every block one run, a whole number of blocks apart: by bytes, no copy
+            registered, self.row_step = rows
+            self.direct = True
         self.slot_bytes = sum(v[0].numel() * v.element_size() for v in self.views.values()) if self.views else 1
         limit = worker.context.settings.allocator.max_staging_bytes if max_bytes is None else max_bytes
         self.max_slots = max(1, limit // max(1, self.slot_bytes))
@@ -46,9 +56,11 @@ class LayoutBridge:
         self._load_rounds: list[Round] = []
         self._save_rounds: list[Round] = []
         self._errors: set[int] = set()
-        worker.register_kv_caches(self.views if self.direct else self._ensure_scratch(1))
+        worker.register_kv_caches(registered if self.direct else self._ensure_scratch(1))
 
     def describe(self) -> str:
+        if self.row_step > 1:
+            return f"zero-copy, by bytes (a block every {self.row_step} block runs: block-outermost packing)"
         if self.direct:
             return "zero-copy"
         return f"bridged through a kvdi-layout scratch cache of at most {self.max_slots} blocks (max_staging_bytes)"
@@ -114,6 +126,8 @@ class LayoutBridge:
         """The metadata to bind on kvdi's worker half for this step: the step's own (direct), or its
         bookkeeping only (the requests' markers, no blocks); :meth:`load` and :meth:`save` bind each round."""
         self._template, self._markers, self._load_rounds, self._save_rounds = None, None, [], []
+        if self.row_step > 1 and isinstance(metadata, BlockTransferMetadata):
+            return _scaled(metadata, self.row_step)
         if self.direct or not isinstance(metadata, BlockTransferMetadata):
             return metadata
         self._template = metadata
@@ -143,7 +157,7 @@ class LayoutBridge:
         scratch into vLLM's cache; remember the vLLM block ids that failed."""
         if self._template is None:  # direct, or a connector's own metadata: its block ids are vLLM's
             start()
-            self._errors |= self.worker.get_block_ids_with_load_errors()
+            self._errors |= self._worker_errors()
             return
         rounds = self._load_rounds or ([[]] if self._markers else [])
         failed_requests: set[str] = set()
@@ -187,6 +201,22 @@ class LayoutBridge:
     def take_errors(self) -> set[int]:
         """vLLM block ids whose load failed since the last call (with a direct cache, background loads' too)."""
         if self.direct:
-            self._errors |= self.worker.get_block_ids_with_load_errors()
+            self._errors |= self._worker_errors()
         errors, self._errors = self._errors, set()
         return errors
+
+    def _worker_errors(self) -> set[int]:
+        """The worker half's failed blocks as vLLM block ids (rows back to blocks when addressed by bytes)."""
+        return {b // self.row_step for b in self.worker.get_block_ids_with_load_errors()}
+
+
+def _scaled(metadata: BlockTransferMetadata, step: int) -> BlockTransferMetadata:
+    """``metadata`` with every transfer's vLLM block ids ``b`` as rows ``b * step`` (:func:`block_rows`)."""
+    changes: dict[str, Any] = {}
+    for f in fields(metadata):
+        value = getattr(metadata, f.name)
+        if isinstance(value, tuple) and value and all(isinstance(t, BlockTransfer) for t in value):
+            changes[f.name] = tuple(
+                BlockTransfer(t.request_id, tuple(b * step for b in t.block_ids), t.block_keys) for t in value
+            )
+    return replace(metadata, **changes)

@@ -18,15 +18,17 @@ kvdi stores a block in one of three byte orders (:data:`ORDERS`), named by the l
 
 :func:`block_view` views any vLLM layer cache as ``view[manager_block]`` in the layout's order,
 without copying. Where the layout keeps each block in that order as one run of bytes the view is
-contiguous and kvdi's store halves read and write vLLM's memory directly; otherwise (kernel blocks
-of an ``hnc`` layout, padded pages, block-outermost packing, ``LHBNC``/``BHLNC``) the
-:class:`~kvdi.integrations.vllm.bridge.LayoutBridge` moves blocks through bounded scratch in that
-order. Either way, the bytes stored for a block depend only on ``block_order``, never on the
-layout's strides or the kernel block size.
+contiguous and kvdi's store halves read and write vLLM's memory directly; where each block is one
+run but runs lie a whole number of blocks apart (block-outermost packing) :func:`block_rows`
+addresses them by bytes, still without a copy; otherwise (kernel blocks of an ``hnc`` layout,
+padded pages, ``LHBNC``/``BHLNC``) the :class:`~kvdi.integrations.vllm.bridge.LayoutBridge`
+moves blocks through bounded scratch in that order. Either way, the bytes stored for a block
+depend only on ``block_order``, never on the layout's strides or the kernel block size.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kvdi.errors import ConfigError
@@ -138,4 +140,37 @@ def page_view(state: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...
     return raw
 
 
-__all__ = ["LAYOUT_ORDERS", "ORDERS", "block_view", "page_view", "stored_order"]
+def block_rows(views: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int] | None:
+    """Views whose every block is one run of bytes, ``k`` blocks' bytes apart, as contiguous ``uint8`` rows (no copy).
+
+    Block-outermost layouts (``BLNHC``, ``BLHNC``) put the other layers' pages of a block
+    between one layer's blocks, so a layer view is not contiguous although each block is.
+    When every view's block stride is the same whole number ``k`` of its block's bytes, view
+    ``name`` becomes ``rows[name]``: ``[(num_blocks - 1) * k + 1, block_bytes]`` bytes over the
+    same storage, vLLM's block ``b`` being row ``b * k``. Returns ``(rows, k)``, or None when
+    some block is not one run or the strides differ (then blocks go through scratch).
+    """
+    import torch
+
+    rows: dict[str, torch.Tensor] = {}
+    strides = set()
+    for name, view in views.items():
+        block = view[0].numel() * view.element_size() if view.shape[0] else 0
+        step = view.stride(0) * view.element_size()
+        if not block or view.shape[0] < 2 or not view[0].is_contiguous() or step % block:
+            return None
+        strides.add(step // block)
+        count = (int(view.shape[0]) - 1) * (step // block) + 1
+        base = view.storage_offset() * view.element_size()
+        storage = view.untyped_storage()
+        if storage.nbytes() < base + count * block:
+            return None
+        raw = torch.empty(0, dtype=torch.uint8, device=view.device)
+        raw.set_(storage, base, (count, block), (block, 1))
+        rows[name] = raw
+    if len(strides) != 1:
+        return None
+    return rows, strides.pop()
+
+
+__all__ = ["LAYOUT_ORDERS", "ORDERS", "block_rows", "block_view", "page_view", "stored_order"]
