@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -33,21 +34,30 @@ PROMPT = KVRequest("r", tuple(range(3, 21)))  # 18 tokens: 4 full blocks, 2 toke
 NUM_BLOCKS = 16
 
 
-class Engine:
-    """Both hybrid halves of one engine over its own CPU cache (two tensors, each shared by two groups' layers)."""
+SCATTERED = replace(BASE, block_order="hnc")  # a layer's block lies in one run per KV head (vLLM's LHBNC)
 
-    def __init__(self, engine_id: str, store: Path, seed: int | None) -> None:
+
+class Engine:
+    """Both hybrid halves of one engine over its own CPU cache (two tensors, each shared by two groups' layers).
+
+    ``scattered``: vLLM's 4-D ``[B, H, N, C]`` views with heads outermost (``LHBNC``), so each
+    group's blocks go through its own LayoutBridge; otherwise the contiguous CPU layout."""
+
+    def __init__(self, engine_id: str, store: Path, seed: int | None, scattered: bool = False) -> None:
         kwargs = {"kv_connector": "shared_storage", "shared_storage": {"path": str(store)}, "engine_id": engine_id}
         self.engine_id = engine_id
-        self.container = SHARED.acquire(engine_id, kwargs, BASE)
+        base = SCATTERED if scattered else BASE
+        self.container = SHARED.acquire(engine_id, kwargs, base)
         self.tracker = RequestTracker()
-        args = (GROUPS, BASE, kwargs, RankSlice(), self.tracker, False)
+        args = (GROUPS, base, kwargs, RankSlice(), self.tracker, False)
         self.scheduler = open_hybrid(self.container, False, *args)
         self.worker = open_hybrid(self.container, True, *args)
         assert isinstance(self.scheduler, HybridScheduler) and isinstance(self.worker, HybridWorker)
         gen = torch.Generator().manual_seed(seed or 0)
         make = (lambda: torch.rand((NUM_BLOCKS, 2, 4, 16), generator=gen)) if seed is not None else None
         self.tensors = [make() if make else torch.zeros((NUM_BLOCKS, 2, 4, 16)) for _ in range(2)]
+        if scattered:  # the same values, heads outermost in memory
+            self.tensors = [t.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3) for t in self.tensors]
         caches = {"l.0": self.tensors[0], "l.1": self.tensors[0], "l.2": self.tensors[1], "l.3": self.tensors[1]}
         self.worker.register_vllm_caches(caches, NUM_BLOCKS)
 
@@ -106,8 +116,8 @@ def engines(tmp_path: Path) -> Iterator[list[Engine]]:
         engine.close()
 
 
-def _store(tmp_path: Path, engines: list[Engine]) -> Engine:
-    producer = Engine("e1", tmp_path / "store", seed=1)
+def _store(tmp_path: Path, engines: list[Engine], scattered: bool = False) -> Engine:
+    producer = Engine("e1", tmp_path / "store", seed=1, scattered=scattered)
     engines.append(producer)
     assert producer.scheduler.get_num_new_matched_tokens(PROMPT, 0) == (0, False)
     producer.step([(([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]), 0, 18)])
@@ -132,9 +142,13 @@ def test_each_group_stores_its_own_blocks_and_sliding_only_in_window(tmp_path: P
     assert counts == [2, 4]
 
 
-def test_a_second_engine_loads_each_group_into_its_own_block_ids(tmp_path: Path, engines: list[Engine]) -> None:
-    producer = _store(tmp_path, engines)
-    consumer = Engine("e2", tmp_path / "store", seed=None)
+@pytest.mark.parametrize("scattered", [False, True])
+def test_a_second_engine_loads_each_group_into_its_own_block_ids(
+    tmp_path: Path, engines: list[Engine], scattered: bool
+) -> None:
+    """Each group's blocks land in that group's block ids, zero-copy or (scattered) through the group's bridge."""
+    producer = _store(tmp_path, engines, scattered)
+    consumer = Engine("e2", tmp_path / "store", seed=None, scattered=scattered)
     engines.append(consumer)
     assert consumer.scheduler.get_num_new_matched_tokens(PROMPT, 0) == (16, True)
     ids = ([11, 12, 13, 14, 15], [1, 2, 3, 4, 5])
@@ -146,16 +160,23 @@ def test_a_second_engine_loads_each_group_into_its_own_block_ids(tmp_path: Path,
     for src, dst in zip([8, 9], [3, 4], strict=True):  # sliding group: the window only
         assert torch.equal(producer.block(src), consumer.block(dst))
     assert all(not t[1:3].any() for t in consumer.tensors)  # blocks that slid out: no bytes loaded
+    assert all(not b.direct for b in consumer.worker.bridges) == scattered
+    budget = consumer.worker.context.settings.allocator.max_staging_bytes
+    assert sum(b.scratch_bytes for b in consumer.worker.bridges) <= budget  # the groups share one staging budget
 
 
-def test_a_corrupt_object_of_one_group_fails_the_request(tmp_path: Path, engines: list[Engine]) -> None:
-    _store(tmp_path, engines)
+@pytest.mark.parametrize("scattered", [False, True])
+def test_a_corrupt_object_of_one_group_fails_the_request(
+    tmp_path: Path, engines: list[Engine], scattered: bool
+) -> None:
+    """A bad object of the sliding group fails the whole request (per request, never block ids), bridged or not."""
+    _store(tmp_path, engines, scattered)
     objects = _objects(tmp_path / "store")
     sliding = min(objects.values(), key=len)[0]
     data = bytearray(sliding.read_bytes())
     data[-1] ^= 0xFF
     sliding.write_bytes(bytes(data))
-    consumer = Engine("e3", tmp_path / "store", seed=None)
+    consumer = Engine("e3", tmp_path / "store", seed=None, scattered=scattered)
     engines.append(consumer)
     n, load_async = consumer.scheduler.get_num_new_matched_tokens(PROMPT, 0)
     assert (n, load_async) == (16, True)
