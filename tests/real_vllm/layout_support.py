@@ -23,6 +23,7 @@ from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConf
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -129,7 +130,7 @@ class Engine:
             else [block_keys(PROMPT, scheduler_layout)]
         )
         sizes = [
-            (kernel or BLOCK) if isinstance(g.kv_cache_spec, FullAttentionSpec) else BLOCK
+            (kernel or BLOCK) if isinstance(g.kv_cache_spec, AttentionSpec) else BLOCK  # Mamba: never split
             for g in self.kv_config.kv_cache_groups
         ]
         self.caches = allocate_kv_cache(self.kv_config, torch.device("cpu"), KVCacheLayout[layout], sizes)

@@ -123,26 +123,35 @@ def test_one_group_round_trips_under_the_same_and_another_layout(
     _round_trip(tmp_path / "other", tiny_model, dtype, layout, _same_order_other(layout), "one", kernel, None)
 
 
+HYBRIDS = [
+    (layout, kind, kernel)
+    for kind in ("sliding", "mamba")
+    for layout, kernel in SPLITS
+    if layout in _layouts(kind) and (kernel is None or kind == "sliding")  # vLLM never splits Mamba pages
+]
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize(
-    ("layout", "kind"), [(m, "sliding") for m in _layouts("sliding")] + [(m, "mamba") for m in _layouts("mamba")]
-)
+@pytest.mark.parametrize(("layout", "kind", "kernel"), HYBRIDS)
 def test_hybrid_groups_round_trip_under_every_layout(
-    tmp_path: Path, tiny_model: Path, layout: str, kind: str, dtype: str
+    tmp_path: Path, tiny_model: Path, layout: str, kind: str, kernel: int | None, dtype: str
 ) -> None:
-    """Sliding + full attention, and Mamba pages (padded to the attention page) + full attention: each group's
-    blocks come back byte for byte, per layer and K/V, into a fresh engine of the same and of another layout."""
-    _round_trip(tmp_path / "same", tiny_model, dtype, layout, layout, kind, None, None)
-    _round_trip(tmp_path / "other", tiny_model, dtype, layout, _same_order_other(layout, kind), kind, None, None)
+    """Sliding + full attention (kernel blocks too), and Mamba pages (padded to the attention page) + full
+    attention: each group's blocks come back byte for byte, per layer and K/V, into a fresh engine of the same
+    and of another layout."""
+    _round_trip(tmp_path / "same", tiny_model, dtype, layout, layout, kind, kernel, kernel)
+    _round_trip(tmp_path / "other", tiny_model, dtype, layout, _same_order_other(layout, kind), kind, kernel, None)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("kind", ["one", "sliding"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_tensor_parallel_slices_round_trip_under_every_layout(
-    tmp_path: Path, tiny_model: Path, layout: str, rank: int
+    tmp_path: Path, tiny_model: Path, layout: str, kind: str, rank: int
 ) -> None:
-    """Under TP=2 each rank's slice (one KV head) of every layout round-trips, under its own rank's keys."""
-    _round_trip(tmp_path, tiny_model, "float16", layout, _same_order_other(layout), "one", None, None, 2, rank)
+    """Under TP=2 each rank's slice (one KV head) of every layout, one group or hybrid, round-trips under its own
+    rank's keys."""
+    _round_trip(tmp_path, tiny_model, "float16", layout, _same_order_other(layout), kind, None, None, 2, rank)
 
 
 def test_another_block_order_is_a_counted_miss_never_wrong_bytes(tmp_path: Path, tiny_model: Path) -> None:
