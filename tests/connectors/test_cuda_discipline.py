@@ -152,3 +152,30 @@ def test_a_new_registration_never_hands_a_job_the_old_caches_and_replaces_their_
     assert all(bool((c[3].view(torch.uint8) == 7).all()) for c in new)
     assert not any(c.any() for c in old)
     assert buffers.nbytes == held  # the new buffers replaced the old ones by name
+
+
+def test_a_background_jobs_host_wait_sleeps_on_a_blocking_event_and_the_engine_threads_spins() -> None:
+    """Off the engine thread the host waits on a blocking-sync event (the job's thread does not spin a
+    core the engine needs); the engine thread's own short waits stay on a spin-wait event."""
+    io, _caches, cuda = cache_io()
+    fill_row(io, 0, 1, 4)
+    io.commit_load(0, 1)
+    io.finish()  # engine thread
+    fence = io.fence()
+
+    def job() -> None:
+        with io.on_side_stream(fence):
+            fill_row(io, 0, 2, 5)
+            io.commit_load(0, 2)
+            io.finish()
+        io.finish()  # after the side stream: this thread's waits are spin-waits again
+
+    worker = threading.Thread(target=job)
+    worker.start()
+    worker.join()
+    waited = {entry[1] for entry in cuda.log if entry[0] == "host_wait"}
+    assert [(e.name, e.blocking) for e in cuda.events if e.name in waited] == [
+        ("e1", False),
+        ("e3", True),
+        ("e4", False),
+    ]
