@@ -264,6 +264,62 @@ def test_the_nccl_group_cleans_up_only_on_errors_and_connects_at_pairing(monkeyp
     assert seen["timeout"] == timedelta(seconds=7) and seen["warm_up"] == (1, groups.WARM_UP_TAG)
 
 
+class SendingGroup:
+    """A producer's process group double: records how many bytes of sends are in flight at once."""
+
+    def __init__(self) -> None:
+        self.in_flight: list[NcclWork] = []
+        self.sizes: dict[int, int] = {}
+        self.most = 0
+
+    def send(self, tensors: list[torch.Tensor], rank: int, tag: int) -> Any:
+        group = self
+
+        class SendWork(NcclWork):
+            def wait(self, timeout: timedelta | None = None) -> bool:
+                group.in_flight.remove(self)
+                return super().wait(timeout)
+
+        work = SendWork()
+        self.sizes[id(work)] = tensors[0].numel()
+        self.in_flight.append(work)
+        self.most = max(self.most, sum(self.sizes[id(w)] for w in self.in_flight))
+        return work
+
+
+class OwnStore:
+    def clone(self) -> OwnStore:
+        return self
+
+
+def test_the_producer_copies_at_most_its_staging_budget_of_an_answer_to_the_device_at_once() -> None:
+    """Over NCCL each part of an answer is copied to the device: the serving thread waits for sent parts
+    before it copies more than ``wire_budget`` bytes, however many blocks the consumer asked for."""
+    from kvdi.connectors.p2p.held import HeldBlocks
+    from kvdi.connectors.p2p.protocol import Request, Session
+    from kvdi.connectors.p2p.serving import Server
+
+    source = source_caches()
+    names = [bytes([i]) * 16 for i in range(8)]
+    held = HeldBlocks(60.0, 1 << 24)
+    held.hold(names, gather_frames(source, list(range(8)), LAYOUT, names=names))
+    group, lb = SendingGroup(), LAYOUT.layer_block_bytes
+    copies: list[int] = []
+
+    def wire(tensor: torch.Tensor) -> torch.Tensor:  # the device copy NCCL sends from
+        copies.append(tensor.numel())
+        return tensor.clone()
+
+    server = Server(
+        OwnStore(), group, held, Session(None),  # type: ignore[arg-type]
+        layer_bytes=lb, parts=lambda count: [(layer, a, a + 1) for layer in range(2) for a in range(count)],
+        wire=wire, timeout_s=5.0, hold_s=60.0, on_break=lambda reason: None, backend="nccl", wire_budget=3 * lb,
+    )  # fmt: skip
+    server._answer(Request(1, tuple(names)))
+    assert len(copies) == 1 + 2 * 8 and not group.in_flight  # the header, then 16 one-block parts, all sent
+    assert group.most <= 3 * lb + copies[0]  # the header plus at most the budget of parts
+
+
 # -- late data, over real processes (gloo on loopback, the consumer receives straight into its cache) ----------
 def late_consumer(port: int, out: Any, events: dict[str, Any]) -> None:
     """Fail a fetch from a frozen producer, then keep watching the target blocks while it resumes and answers."""

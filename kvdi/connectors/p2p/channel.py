@@ -100,7 +100,10 @@ class P2pChannel:
         backend: Backend,
         device: str,
         engine_id: str,
+        wire_budget: int = 64 << 20,
     ) -> None:
+        """``wire_budget``: the producer's bytes of device copies in flight while it answers a fetch over
+        NCCL (``allocator.max_staging_bytes``; :class:`~kvdi.connectors.p2p.serving.Server`)."""
         self.options = options
         self.layout = layout
         self.producer = producer
@@ -127,7 +130,8 @@ class P2pChannel:
             self._server = Server(
                 self._store, self._pg, self.held, self.session,
                 layer_bytes=self.layer_bytes, parts=self._parts, wire=self._wire,
-                timeout_s=options.timeout_s, hold_s=options.hold_s, on_break=self._break,
+                timeout_s=options.timeout_s, hold_s=options.hold_s, on_break=self._break, backend=backend,
+                wire_budget=wire_budget if backend == "nccl" else None,
             )  # fmt: skip
             self._server.start()
 
