@@ -465,3 +465,52 @@ def test_a_gloo_fetch_failing_after_the_header_leaves_no_receive_to_land_late() 
     pair[1].recv([marker], 0, tag(8, 0)).wait(timedelta(seconds=10))
     sender.join(15)
     assert all(torch.equal(b, a) for b, a in zip(buffers, after, strict=True))  # nothing landed late
+
+
+def fetch_failing_after_the_header(device: str) -> None:
+    """The header and the first layer arrive, the second layer comes only after the fetch's deadline: the
+    fetch fails, its timed-out receive closed the pair, and the late part lands neither in the host
+    staging nor in the cache on ``device``, which keep what they held when the failure was raised."""
+    import threading
+
+    from kvdi.connectors.p2p.frames import CacheReceiver
+    from kvdi.connectors.p2p.protocol import tag
+
+    pair = gloo_pair()
+    channel = receiving_channel(Group(failing_part=0))
+    channel._pg = pair[1]
+    gen = torch.Generator().manual_seed(30)
+    source = [torch.randn((16, *LAYOUT.block_shape), generator=gen) for _ in range(2)]
+    names = [bytes([b]) * 16 for b in (1, 2)]
+    frames = gather_frames(source, [1, 2], LAYOUT, names=names)
+    caches = [torch.randn((16, *LAYOUT.block_shape), generator=gen).to(device) for _ in range(2)]
+    receiver = CacheReceiver(caches, LAYOUT, torch.device("cpu"), None, None)
+    targets = [9, 3]  # not consecutive: staged on the host
+    buffers, direct = receiver.buffers(targets)
+    assert not direct
+    sink = receiver.receiving(buffers, targets, direct, names)
+    answer = Answer(5, (True, True), frames.headers, time.monotonic() + 1.0)
+    late: list[str] = []
+
+    def produce() -> None:
+        pair[0].send([frames.layers[0].contiguous()], 1, tag(5, 1)).wait(timedelta(seconds=10))
+        time.sleep(max(0.0, answer.deadline - time.monotonic()) + 0.5)
+        try:
+            pair[0].send([frames.layers[1].contiguous()], 1, tag(5, 2)).wait(timedelta(seconds=5))
+            late.append("sent")
+        except RuntimeError as exc:
+            late.append(f"failed: {str(exc).splitlines()[0]}")
+
+    sender = threading.Thread(target=produce)
+    sender.start()
+    with pytest.raises(P2pTransferError):
+        channel.receive(answer, buffers, sink)
+    staging, cache = buffers[1].clone(), caches[1].cpu()
+    sender.join(15)
+    assert late and late[0].startswith("failed")  # gloo closed the pair when the receive timed out
+    assert torch.equal(buffers[1], staging) and torch.equal(caches[1].cpu(), cache)
+
+
+def test_a_gloo_fetch_failing_after_the_header_never_lands_late_in_staging_or_the_cache() -> None:
+    """CPU twin of the CUDA test (tests/test_cuda.py): a timed-out second part of a staged fetch."""
+    fetch_failing_after_the_header("cpu")
