@@ -522,16 +522,20 @@ def _gpu(role: str, backend: str) -> int:
 def _p2p_container(role: str, port: int, backend: str, timeout_s: float = 30.0) -> Any:
     gpu = _gpu(role, backend)
     torch.cuda.set_device(gpu)
+    budget: dict[str, int] = {}
     if backend == "nccl":  # one message per block and layer: several parts per layer
         import kvdi.connectors.p2p.channel as channel_module
 
         channel_module.PART_BYTES = 1
+        if role == "kv_producer":
+            budget["max_staging_bytes"] = 1024
     return build_kv_container(
         kv_connector="p2p",
         kv_role=role,
         p2p={"kv_port": port, "kv_rank": 0 if role == "kv_producer" else 1, "backend": backend, "timeout_s": timeout_s},
         model={"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "hidden_size": 32},
-        allocator={"device": f"cuda:{gpu}", "num_blocks": 16, "block_size": 4},
+        # the NCCL producer sends an answer's device copies a few parts at a time (its staging budget)
+        allocator={"device": f"cuda:{gpu}", "num_blocks": 16, "block_size": 4, **budget},
         transfer={"async_load": "off"},  # one synchronous step driven by hand
     )
 
