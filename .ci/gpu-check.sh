@@ -76,7 +76,7 @@ VENV="${KVDI_GPU_VENV:-$ROOT/.venv-gpu}"
 PY="$VENV/bin/python"
 NEEDS="import torch, pydantic_settings, dependency_injector, numpy, xxhash, rich, pytest, hypothesis"
 if [[ ! -x "$PY" ]]; then
-    "$BASE" -m venv "$VENV"
+    "$BASE" -m venv "$VENV" 2>/dev/null || { rm -rf "$VENV"; "$BASE" -m venv --without-pip "$VENV"; }  # no ensurepip
     "$BASE" -c "import site, sysconfig as s; p = s.get_paths(); print(*dict.fromkeys([*site.getsitepackages(), \
 p['purelib'], p['platlib']]), sep='\n')" >"$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/gpu-check-base.pth"
 fi
@@ -86,8 +86,10 @@ if ! "$PY" -c "$NEEDS" >/dev/null 2>&1 || ! compgen -G "$VENV/lib/python*/site-p
             ".ci/gpu-check.sh --wheels on a machine with network access and carry .ci/wheels along" >&2
         exit 1
     fi
-    "$PY" -c "$NEEDS" >/dev/null 2>&1 || "$PY" -m pip install -q --find-links "$WHEELS" "${DEPS[@]}"
-    "$PY" -m pip install -q --no-deps --force-reinstall "$(ls -t "$WHEELS"/kvdi-*.whl | head -1)"
+    PIP=("$PY" -m pip)  # the venv's pip, else the base's pip aimed at the venv (pip >= 22.3)
+    "$PY" -m pip --version >/dev/null 2>&1 || PIP=("$BASE" -m pip --python "$PY")
+    "$PY" -c "$NEEDS" >/dev/null 2>&1 || "${PIP[@]}" install -q --find-links "$WHEELS" "${DEPS[@]}"
+    "${PIP[@]}" install -q --no-deps --force-reinstall "$(ls -t "$WHEELS"/kvdi-*.whl | head -1)"
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 GPUS="$("$PY" - <<'PYCHECK'
