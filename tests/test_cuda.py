@@ -3,14 +3,21 @@ staged through the store halves, and NCCL p2p between two GPUs.
 
 Every test here is marked ``cuda`` and skipped when torch sees no CUDA device; nothing here
 depends on the host lacking CUDA. ``.ci/gpu-check.sh`` runs exactly these
-(``pytest -m cuda``) on a machine with a GPU.
+(``pytest -m cuda``) on a machine with a GPU, each within ``KVDI_GPU_TEST_TIMEOUT_S`` seconds
+(default 90; a test that runs longer fails, see ``_per_test_timeout``). Blocks hold random bytes
+(never one constant per block, which hides a misplaced piece), in fp16 and bf16.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
+import os
+import signal
 import socket
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from queue import Empty
 from typing import Any
@@ -28,8 +35,53 @@ from kvdi.settings import AllocatorSettings
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 SPEC = KVCacheSpec("m", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
+# A real model's size: 32 layers, 64 KiB per layer and block (16 tokens x 8 KV heads x 128 x K|V x 2 B).
+REAL = KVCacheSpec("real", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16")
+TEST_TIMEOUT_S = float(os.environ.get("KVDI_GPU_TEST_TIMEOUT_S", "90"))
 MODEL = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
          "intermediate_size": 128, "vocab_size": 256, "max_model_len": 512}  # fmt: skip
+
+
+class CudaTestTimedOut(Exception):
+    """A CUDA test ran past ``KVDI_GPU_TEST_TIMEOUT_S``."""
+
+
+@pytest.fixture(autouse=True)
+def _per_test_timeout() -> Iterator[None]:
+    """Fail a test that runs past ``TEST_TIMEOUT_S`` (no pytest-timeout here): SIGALRM raises in the test's
+    main thread; a hang that never returns to Python (a wedged CUDA call) gets every thread's traceback
+    dumped and the run ended 15 s later, so the check still ends, with the report saying why."""
+    if sys.platform == "win32":  # no SIGALRM
+        yield
+        return
+
+    def expire(_signum: int, _frame: object) -> None:
+        raise CudaTestTimedOut(f"the test ran past KVDI_GPU_TEST_TIMEOUT_S={TEST_TIMEOUT_S:g}")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, TEST_TIMEOUT_S)
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S + 15.0, exit=True)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int, device: str = "cuda") -> torch.Tensor:
+    """Random bytes (every bit pattern, NaNs included) viewed as ``dtype``: compare them as bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for d in shape:
+        numel *= d
+    raw = torch.randint(0, 256, (numel * itemsize,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).view(shape).to(device)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def test_the_allocator_places_the_cache_on_cuda_and_plans_pinned_staging() -> None:
@@ -88,6 +140,76 @@ def test_cacheio_round_trips_a_cuda_cache_through_the_allocators_pinned_staging(
         assert not dst_caches[name][[1, 2, 3, 4]].any()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cacheio_round_trips_random_bytes_of_a_real_size_layout_through_pinned_staging(dtype: str) -> None:
+    """32 layers x 64 KiB pieces: random bytes (NaN patterns included) saved from some blocks and loaded into
+    others of a second cache come back byte for byte per layer, and no other block changes."""
+    spec = KVCacheSpec("real", REAL.num_layers, REAL.num_kv_heads, REAL.head_dim, REAL.block_size, dtype)
+    assert spec.layer_block_bytes == 64 << 10
+    settings = AllocatorSettings(device="cuda", num_blocks=12)
+    src_alloc, dst_alloc = GpuBufferAllocator(spec, settings), GpuBufferAllocator(spec, settings)
+    src_caches, dst_caches = src_alloc.allocate(), dst_alloc.allocate()
+    torch_dtype = getattr(torch, dtype)
+    for i, t in enumerate(src_caches.values()):
+        t.copy_(_random(tuple(t.shape), torch_dtype, seed=i))
+    src = CacheIO(list(src_caches.values()), spec.layer_block_bytes, chunk=4, buffers=src_alloc.staging)
+    dst = CacheIO(list(dst_caches.values()), spec.layer_block_bytes, chunk=4, buffers=dst_alloc.staging)
+    assert all(b.is_pinned() for b in (*src_alloc.staging_buffers, *dst_alloc.staging_buffers))
+    moves = [(2, 9), (7, 0), (11, 5), (3, 6)]
+    payloads = [[bytes(p) for p in pieces] for pieces in src.save_pieces([a for a, _ in moves])]
+    for i, ((_, target), pieces) in enumerate(zip(moves, payloads, strict=True)):
+        for piece, data in zip(dst.load_pieces(i, target), pieces, strict=True):
+            piece[:] = data
+        dst.commit_load(i, target)
+    dst.finish()
+    for name in src_caches:
+        for a, b in moves:
+            assert _same_bytes(dst_caches[name][b], src_caches[name][a]), (name, a, b)
+        untouched = [b for b in range(12) if b not in {t for _, t in moves}]
+        assert not dst_caches[name][untouched].view(torch.uint8).any()
+    src_alloc.free()
+    dst_alloc.free()
+
+
+def test_copies_against_raw_pinned_copies_report_a_gbps_line(record_property: Any) -> None:
+    """Not gating: CacheIO's save (device to pinned staging) and load (pinned staging to device) of a real-size
+    layout, against one raw pinned ``copy_`` of the same bytes each way; the line lands in the junit report."""
+    blocks, reps = 32, 5
+    alloc = GpuBufferAllocator(REAL, AllocatorSettings(device="cuda", num_blocks=blocks))
+    caches = list(alloc.allocate().values())
+    io = CacheIO(caches, REAL.layer_block_bytes, chunk=blocks, buffers=alloc.staging)
+    nbytes = blocks * REAL.block_bytes
+    ids = list(range(blocks))
+
+    def timed(fn: Any) -> float:
+        fn()  # warm
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return nbytes * reps / (time.perf_counter() - start) / 1e9
+
+    def load() -> None:
+        for i, b in enumerate(ids):
+            io.commit_load(i, b)
+        io.finish()
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    save_gbps, load_gbps = timed(lambda: io.save_pieces(ids)), timed(load)
+    raw_d2h = timed(lambda: host.copy_(device, non_blocking=True))
+    raw_h2d = timed(lambda: device.copy_(host, non_blocking=True))
+    line = (
+        f"{nbytes >> 20} MiB, 32 layers x 64 KiB: save {save_gbps:.1f} GB/s (raw pinned {raw_d2h:.1f}, "
+        f"{save_gbps / raw_d2h:.2f}x), load {load_gbps:.1f} GB/s (raw pinned {raw_h2d:.1f}, {load_gbps / raw_h2d:.2f}x)"
+    )
+    record_property("figure", line)
+    print(f"gpu-check figure: {line}")
+    alloc.free()
+    assert save_gbps > 0 and load_gbps > 0
+
+
 def test_the_cpu_offload_pool_is_pageable_host_memory(kvdi_env: Path) -> None:
     """No device copy reads the pool (a CUDA cache's blocks go through the worker's pinned staging)."""
     c = build_kv_container(kv_connector="cpu_offload", model=MODEL, cpu_offload={"max_bytes": 1 << 22})
@@ -136,25 +258,46 @@ def _io(num_blocks: int = 8) -> tuple[CacheIO, list[torch.Tensor], GpuBufferAllo
     return CacheIO(caches, SPEC.layer_block_bytes, chunk=2, buffers=alloc.staging), caches, alloc
 
 
-def _load_bytes(io: CacheIO, block: int, value: int) -> None:
-    for piece in io.load_pieces(0, block):
-        piece.cast("B")[:] = bytes([value]) * piece.nbytes
+def _payload(seed: int) -> list[bytes]:
+    """One block's random bytes, per layer."""
+    gen = torch.Generator().manual_seed(seed)
+    n = SPEC.layer_block_bytes
+    return [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).numpy().tobytes() for _ in SPEC.layer_names]
+
+
+def _on_device(payload: list[bytes]) -> list[torch.Tensor]:
+    """The payload on the GPU, made before a test busies a stream (a pageable upload would wait behind it)."""
+    out = [torch.frombuffer(bytearray(p), dtype=torch.uint8).to("cuda") for p in payload]
+    torch.cuda.synchronize()
+    return out
+
+
+def _write(caches: list[torch.Tensor], block: int, layers: list[torch.Tensor]) -> None:
+    """Queue a write of ``layers`` into ``block`` on the current stream (device to device: asynchronous)."""
+    for c, data in zip(caches, layers, strict=True):
+        c[block].view(torch.uint8).view(-1).copy_(data, non_blocking=True)
+
+
+def _load_bytes(io: CacheIO, block: int, payload: list[bytes]) -> None:
+    for piece, data in zip(io.load_pieces(0, block), payload, strict=True):
+        piece.cast("B")[:] = data
     io.commit_load(0, block)
 
 
-def _block_bytes(caches: list[torch.Tensor], block: int) -> set[int]:
-    return {int(v) for c in caches for v in c[block].view(torch.uint8).unique().tolist()}
+def _block_bytes(caches: list[torch.Tensor], block: int) -> list[bytes]:
+    return [c[block].view(torch.uint8).reshape(-1).cpu().numpy().tobytes() for c in caches]
 
 
 def test_a_sync_save_reads_what_compute_just_wrote_on_the_engine_stream() -> None:
     io, caches, alloc = _io()
+    written = _payload(1)
+    data = _on_device(written)
     compute = torch.cuda.Stream()
     with torch.cuda.stream(compute):
         torch.cuda._sleep(SLEEP_CYCLES)  # the write below is queued behind this
-        for c in caches:
-            c[3].view(torch.uint8).fill_(77)
+        _write(caches, 3, data)
         (pieces,) = io.save_pieces([3])  # the engine thread, right after the forward was queued
-    assert {b for p in pieces for b in bytes(p)} == {77}
+    assert [bytes(p) for p in pieces] == written
     alloc.free()
 
 
@@ -163,23 +306,23 @@ def test_an_async_load_lands_after_the_compute_queued_before_it_was_handed_over(
     import threading
 
     io, caches, alloc = _io()
+    old, loaded = _on_device(_payload(2)), _payload(3)
     compute = torch.cuda.Stream()
     with torch.cuda.stream(compute):
         torch.cuda._sleep(SLEEP_CYCLES)
-        for c in caches:
-            c[5].view(torch.uint8).fill_(11)  # the old owner's queued write
+        _write(caches, 5, old)  # the old owner's queued write
         fence = io.fence()  # start_load_kv, on the engine thread
 
     def job() -> None:
         with io.on_side_stream(fence):
-            _load_bytes(io, 5, 99)
+            _load_bytes(io, 5, loaded)
             io.finish()
 
     worker = threading.Thread(target=job)
     worker.start()
     worker.join()
     torch.cuda.synchronize()
-    assert _block_bytes(caches, 5) == {99}
+    assert _block_bytes(caches, 5) == loaded
     alloc.free()
 
 
@@ -187,6 +330,7 @@ def test_an_async_load_does_not_wait_for_the_forward_queued_after_it() -> None:
     import threading
 
     io, caches, alloc = _io()
+    loaded = _payload(4)
     compute = torch.cuda.Stream()
     with torch.cuda.stream(compute):
         fence = io.fence()
@@ -195,7 +339,7 @@ def test_an_async_load_does_not_wait_for_the_forward_queued_after_it() -> None:
 
     def job() -> None:
         with io.on_side_stream(fence):
-            _load_bytes(io, 2, 42)
+            _load_bytes(io, 2, loaded)
             io.finish()
         finished_while_computing.append(not compute.query())
 
@@ -204,22 +348,22 @@ def test_an_async_load_does_not_wait_for_the_forward_queued_after_it() -> None:
     worker.join()
     assert finished_while_computing == [True]
     compute.synchronize()
-    assert _block_bytes(caches, 2) == {42}
+    assert _block_bytes(caches, 2) == loaded
     alloc.free()
 
 
 def test_an_async_save_keeps_its_bytes_when_compute_overwrites_the_block() -> None:
     io, caches, alloc = _io()
+    first = _payload(5)
+    data, later = _on_device(first), _on_device(_payload(6))
     compute = torch.cuda.Stream()
     with torch.cuda.stream(compute):
-        for c in caches:
-            c[1].view(torch.uint8).fill_(5)
+        _write(caches, 1, data)
         (pieces,) = io.save_pieces([1])  # copied out to staging before wait_for_save returns
         torch.cuda._sleep(SLEEP_CYCLES)
-        for c in caches:
-            c[1].view(torch.uint8).fill_(6)  # the block's next owner
-    time.sleep(0.5)  # the store writes slowly, from staging
-    assert {b for p in pieces for b in bytes(p)} == {5}
+        _write(caches, 1, later)  # the block's next owner
+    compute.synchronize()  # the store writes slowly, from staging: the overwrite has landed by then
+    assert [bytes(p) for p in pieces] == first
     alloc.free()
 
 
@@ -230,12 +374,78 @@ def test_finish_never_synchronizes_the_whole_device(monkeypatch: pytest.MonkeyPa
         raise AssertionError("torch.cuda.synchronize on the hot path")
 
     monkeypatch.setattr(torch.cuda, "synchronize", refuse)
-    _load_bytes(io, 4, 8)
+    loaded = _payload(7)
+    _load_bytes(io, 4, loaded)
     io.finish()
-    io.save_pieces([4])
-    assert _block_bytes(caches, 4) == {8}
+    (pieces,) = io.save_pieces([4])
+    assert [bytes(p) for p in pieces] == loaded
     monkeypatch.undo()
+    assert _block_bytes(caches, 4) == loaded
     alloc.free()
+
+
+def test_the_store_workers_async_loads_run_two_at_once_under_a_busy_stream_and_a_preemption_waits(
+    tmp_path: Path,
+) -> None:
+    """The store worker's own background load path on a CUDA cache, with vLLM's compute on a non-default
+    stream kept busy: two requests load at once (two load threads, a staging CacheIO each), each lands
+    after the old owners' writes queued before the hand-over, and ``handle_preemptions`` for one of them
+    returns only when its copies are done, so the next owner's writes queued after it are what stays."""
+    from kvdi.allocator import StagingBuffers
+    from kvdi.connectors.base import BlockTransfer, ConnectorContext, KVConnectorRole
+    from kvdi.connectors.shared_storage import FileBlockStore
+    from kvdi.connectors.store import StoreWorkerConnector
+    from kvdi.connectors.store.scheduler import StoreTransferMetadata
+    from kvdi.settings import load_settings
+
+    settings = load_settings(kv_role="kv_both", transfer={"async_save": False, "load_threads": 2})
+    context = ConnectorContext(
+        "shared_storage", KVConnectorRole.WORKER, settings, SPEC, None, FileBlockStore(tmp_path), StagingBuffers(True)
+    )
+    worker = StoreWorkerConnector(context)
+    caches = {n: _random((16, *SPEC.block_shape), torch.float16, seed=10 + i) for i, n in enumerate(SPEC.layer_names)}
+    worker.register_kv_caches(caches)
+    sources, targets = {"r1": (0, 1, 2), "r2": (3, 4, 5)}, {"r1": (8, 9, 10), "r2": (11, 12, 13)}
+    keys = {r: tuple(bytes([ord(r[1]), b]) * 8 for b in ids) for r, ids in sources.items()}
+    worker.bind_connector_metadata(
+        StoreTransferMetadata(saves=tuple(BlockTransfer(f"w{r}", sources[r], keys[r]) for r in sources))
+    )
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    saved = {n: c.clone() for n, c in caches.items()}
+    layers = list(caches.values())
+    old = {b: _on_device(_payload(100 + b)) for r in targets for b in targets[r]}
+    nxt = {b: _on_device(_payload(200 + b)) for b in targets["r2"]}
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):  # vLLM's current stream on the engine thread
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for b, data in old.items():
+            _write(layers, b, data)  # the blocks' old owners, still queued
+        worker.bind_connector_metadata(
+            StoreTransferMetadata(async_loads=tuple(BlockTransfer(r, targets[r], keys[r]) for r in targets))
+        )
+        worker.start_load_kv()
+        worker.clear_connector_metadata()
+        worker.handle_preemptions({"r2"})  # r2 is preempted while its load is in flight
+        for b, data in nxt.items():
+            _write(layers, b, data)  # its blocks' next owner, queued after the hook returned
+    received: set[str] = set()
+    deadline = time.monotonic() + 60
+    while received != {"r1", "r2"} and time.monotonic() < deadline:
+        worker.wait_for_loads(1.0)
+        worker.bind_connector_metadata(StoreTransferMetadata())
+        worker.start_load_kv()
+        received |= worker.get_finished(set())[1] or set()
+        worker.clear_connector_metadata()
+    torch.cuda.synchronize()
+    assert received == {"r1", "r2"} and worker.get_block_ids_with_load_errors() == set()
+    assert worker.stats.loaded_blocks == 6
+    for n, cache in caches.items():
+        for a, b in zip(sources["r1"], targets["r1"], strict=True):
+            assert _same_bytes(cache[b], saved[n][a]), (n, a, b)
+    for b, data in nxt.items():
+        assert _block_bytes(layers, b) == [d.cpu().numpy().tobytes() for d in data]
+    worker.shutdown()
 
 
 def test_the_plan_counts_host_staging_on_the_host_and_device_staging_on_the_gpu() -> None:
@@ -312,16 +522,20 @@ def _gpu(role: str, backend: str) -> int:
 def _p2p_container(role: str, port: int, backend: str, timeout_s: float = 30.0) -> Any:
     gpu = _gpu(role, backend)
     torch.cuda.set_device(gpu)
+    budget: dict[str, int] = {}
     if backend == "nccl":  # one message per block and layer: several parts per layer
         import kvdi.connectors.p2p.channel as channel_module
 
         channel_module.PART_BYTES = 1
+        if role == "kv_producer":
+            budget["max_staging_bytes"] = 1024
     return build_kv_container(
         kv_connector="p2p",
         kv_role=role,
         p2p={"kv_port": port, "kv_rank": 0 if role == "kv_producer" else 1, "backend": backend, "timeout_s": timeout_s},
         model={"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "hidden_size": 32},
-        allocator={"device": f"cuda:{gpu}", "num_blocks": 16, "block_size": 4},
+        # the NCCL producer sends an answer's device copies a few parts at a time (its staging budget)
+        allocator={"device": f"cuda:{gpu}", "num_blocks": 16, "block_size": 4, **budget},
         transfer={"async_load": "off"},  # one synchronous step driven by hand
     )
 
@@ -445,3 +659,111 @@ def test_an_nccl_peers_death_mid_fetch_fails_the_load_and_leaves_the_consumer_al
     assert matched == LOADED * 4 and errors == list(CONSUMER_BLOCKS[:LOADED])  # recomputed, not hung
     assert elapsed < PEER_TIMEOUT_S + 10.0
     assert procs[0].exitcode == -signal.SIGKILL and procs[1].exitcode == 0  # the consumer lived on
+
+
+# -- async p2p over gloo into a CUDA cache: two staged fetches back to back, and a fetch failing mid-answer ----
+PROMPT_B = KVRequest("req-2", tuple(range(100, 113)))  # other tokens: other keys, other bytes
+PRODUCER_BLOCKS_B, CONSUMER_BLOCKS_B = (9, 10, 11, 12), (12, 13, 14, 15)
+
+
+def _step_of(*scheduled: tuple[KVRequest, tuple[int, ...], int]) -> SchedulerOutput:
+    return SchedulerOutput(1, tuple(ScheduledRequest(r, b, c, len(r.prompt_token_ids) - c) for r, b, c in scheduled))
+
+
+def _producer_two(port: int, out: Any, published: Any, done: Any) -> None:
+    try:
+        c = _p2p_container("kv_producer", port, "gloo")
+        sched, worker = c.scheduler_connector(), c.worker_connector()
+        worker.register_kv_caches(_caches(c.layout(), 1, "cuda:0"))
+        for request, blocks in ((PROMPT, PRODUCER_BLOCKS), (PROMPT_B, PRODUCER_BLOCKS_B)):
+            sched.update_state_after_alloc(request, blocks, sched.get_num_new_matched_tokens(request, 0)[0])
+        worker.bind_connector_metadata(
+            sched.build_connector_meta(_step_of((PROMPT, PRODUCER_BLOCKS, 0), (PROMPT_B, PRODUCER_BLOCKS_B, 0)))
+        )
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        published.set()
+        done.wait(WAIT_S)
+        c.shutdown_resources()
+    except Exception as exc:
+        out.put(("producer_error", f"{type(exc).__name__}: {exc}"))
+
+
+def _consumer_two(port: int, out: Any, published: Any, done: Any) -> None:
+    """Two requests' loads handed to the background in one step on a busy stream: one load thread fetches
+    them back to back through the same host staging (the second waits for the first's copies out of it)."""
+    try:
+        from kvdi.connectors.p2p.scheduler import P2pTransferMetadata
+
+        c = _p2p_container("kv_consumer", port, "gloo")
+        sched, worker = c.scheduler_connector(), c.worker_connector()
+        caches = _caches(c.layout(), 2, "cuda:0")
+        worker.register_kv_caches(caches)
+        published.wait(WAIT_S)
+        matched = {}
+        for request, blocks in ((PROMPT, CONSUMER_BLOCKS), (PROMPT_B, CONSUMER_BLOCKS_B)):
+            matched[request.request_id] = sched.get_num_new_matched_tokens(request, 0)[0]
+            sched.update_state_after_alloc(request, blocks, matched[request.request_id])
+        meta = sched.build_connector_meta(
+            _step_of((PROMPT, CONSUMER_BLOCKS, matched["req-1"]), (PROMPT_B, CONSUMER_BLOCKS_B, matched["req-2"]))
+        )
+        compute = torch.cuda.Stream()
+        with torch.cuda.stream(compute):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            for cache in caches.values():
+                cache[list(CONSUMER_BLOCKS + CONSUMER_BLOCKS_B)] = 0.0  # the old owners' queued writes
+            worker.bind_connector_metadata(P2pTransferMetadata(async_loads=meta.loads))
+            worker.start_load_kv()
+            worker.clear_connector_metadata()
+        received: set[str] = set()
+        deadline = time.monotonic() + WAIT_S
+        while received != {"req-1", "req-2"} and time.monotonic() < deadline:
+            time.sleep(0.05)
+            worker.bind_connector_metadata(P2pTransferMetadata())
+            worker.start_load_kv()
+            received |= worker.get_finished(set())[1] or set()
+            worker.clear_connector_metadata()
+        errors = sorted(worker.get_block_ids_with_load_errors())
+        torch.cuda.synchronize()
+        expected = _caches(c.layout(), 1, "cuda:0")
+        same = all(
+            torch.equal(caches[n][list(mine[:LOADED])], expected[n][list(theirs[:LOADED])])
+            for n in caches
+            for mine, theirs in ((CONSUMER_BLOCKS, PRODUCER_BLOCKS), (CONSUMER_BLOCKS_B, PRODUCER_BLOCKS_B))
+        )
+        out.put(("loaded", (sorted(matched.values()), sorted(received), errors, same)))
+        done.set()
+        c.shutdown_resources()
+    except Exception as exc:
+        out.put(("consumer_error", f"{type(exc).__name__}: {exc}"))
+        done.set()
+
+
+def test_gloo_p2p_fetches_two_async_loads_back_to_back_through_staging_into_a_cuda_cache(kvdi_env: Path) -> None:
+    ctx = mp.get_context("spawn")
+    port, out, published, done = _free_port(), ctx.Queue(), ctx.Event(), ctx.Event()
+    procs = [
+        ctx.Process(target=f, args=(port, out, published, done), daemon=True) for f in (_producer_two, _consumer_two)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        key, value = out.get(timeout=WAIT_S)
+        assert key == "loaded", f"{key}: {value}"
+    finally:
+        for p in procs:
+            p.join(WAIT_S)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    matched, received, errors, same = value
+    assert (matched, received, errors, same) == ([LOADED * 4] * 2, ["req-1", "req-2"], [], True)
+
+
+def test_a_gloo_fetch_failing_after_the_header_never_lands_late_in_staging_or_the_cuda_cache() -> None:
+    """The header and the first layer arrive, the second only after the fetch's deadline: the fetch fails and
+    the late part lands neither in the host staging nor in the CUDA cache (the CPU twin runs in the normal
+    suite: tests/connectors/test_p2p_cuda_discipline.py)."""
+    from tests.connectors.test_p2p_cuda_discipline import fetch_failing_after_the_header
+
+    fetch_failing_after_the_header("cuda")

@@ -12,7 +12,10 @@ copy of kvdi follows (:class:`StreamOrder`):
   stream when it hands the job over (:meth:`StreamOrder.fence`); the job's copies run on a side
   stream that waits on that fence only (:meth:`StreamOrder.side`), so a block's old owner's queued
   writes land first while later forward passes are not waited for; the host waits on the copies'
-  event before the job reports the request, so the step that resumes it reads complete bytes.
+  event before the job reports the request, so the step that resumes it reads complete bytes. That
+  host wait is on a *blocking-sync* event (``torch.cuda.Event(blocking=True)``): the job's thread
+  sleeps in the driver instead of spinning a core the engine thread needs (the engine thread's own
+  waits stay spin-waits: they are short and on the step's critical path).
 - A CUDA tensor kvdi allocates (p2p's index and staging tensors) is allocated and used on the same
   stream, the current one of the thread that copies; a tensor used on another stream must be
   handed to :meth:`StreamOrder.used_on` (``record_stream``) so the caching allocator does not
@@ -26,6 +29,7 @@ Importing this module imports no torch.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -40,7 +44,7 @@ class CudaCalls(Protocol):
 
     def new_stream(self, device: Any) -> Any: ...
 
-    def new_event(self) -> Any: ...
+    def new_event(self, blocking: bool = False) -> Any: ...
 
     def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]: ...
 
@@ -60,10 +64,10 @@ class TorchCuda:
 
         return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
-    def new_event(self) -> Any:
+    def new_event(self, blocking: bool = False) -> Any:
         import torch
 
-        return torch.cuda.Event()  # type: ignore[no-untyped-call]
+        return torch.cuda.Event(blocking=blocking)  # type: ignore[no-untyped-call]
 
     def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         import torch
@@ -81,6 +85,7 @@ class StreamOrder:
         self.device = device
         self.cuda: CudaCalls = cuda if cuda is not None else TorchCuda()
         self._side: Any = None
+        self._background = threading.local()  # ``on``: this thread runs inside :meth:`side`
 
     @property
     def side_stream(self) -> Any:
@@ -101,12 +106,20 @@ class StreamOrder:
         stream = self.side_stream
         if fence is not None:
             stream.wait_event(fence)
-        with self.cuda.use(stream):
-            yield stream
+        before = getattr(self._background, "on", False)
+        self._background.on = True
+        try:
+            with self.cuda.use(stream):
+                yield stream
+        finally:
+            self._background.on = before
 
     def mark(self) -> Any:
-        """An event after the copies queued so far on the current stream (wait on it with ``synchronize``)."""
-        return self.fence()
+        """An event after the copies queued so far on the current stream (wait on it with ``synchronize``);
+        a blocking-sync event inside :meth:`side` (a background thread's host wait sleeps, never spins)."""
+        event = self.cuda.new_event(blocking=getattr(self._background, "on", False))
+        event.record(self.cuda.current_stream(self.device))
+        return event
 
     def wait(self) -> None:
         """Block the host until the copies queued so far on the current stream are done (not the device)."""

@@ -33,6 +33,7 @@ class FakeEvent:
     name: str
     log: list[tuple[Any, ...]]
     stream: str | None = None
+    blocking: bool = False  # a blocking-sync event: a host wait on it sleeps instead of spinning
 
     def record(self, stream: FakeStream) -> None:
         self.stream = stream.name
@@ -47,6 +48,7 @@ class RecordingCuda:
     """:class:`~kvdi.connectors.streams.CudaCalls` that records and copies on the CPU."""
 
     log: list[tuple[Any, ...]] = field(default_factory=list)
+    events: list[FakeEvent] = field(default_factory=list)  # every event made, in order
     _streams: int = 0
     _events: int = 0
     _local: threading.local = field(default_factory=threading.local)
@@ -64,9 +66,11 @@ class RecordingCuda:
         self._streams += 1
         return FakeStream(f"side{self._streams}", self.log)
 
-    def new_event(self) -> FakeEvent:
+    def new_event(self, blocking: bool = False) -> FakeEvent:
         self._events += 1
-        return FakeEvent(f"e{self._events}", self.log)
+        event = FakeEvent(f"e{self._events}", self.log, blocking=blocking)
+        self.events.append(event)
+        return event
 
     @contextlib.contextmanager
     def use(self, stream: FakeStream) -> Iterator[FakeStream]:

@@ -127,3 +127,55 @@ def test_the_store_worker_fences_an_async_load_at_hand_over_and_runs_it_on_the_s
     assert cuda.log[:2] == [("record", cuda.log[0][1], "compute"), ("wait_event", "side1", cuda.log[0][1])]
     assert all(torch.equal(caches[n][6], saved[n]) for n in caches)
     worker.shutdown()
+
+
+def test_a_new_registration_never_hands_a_job_the_old_caches_and_replaces_their_staging() -> None:
+    """Re-registration (vLLM's restore after sleep): a job of the new registration copies into the new
+    caches, never through a staging CacheIO of the old ones given back late, and the allocator's staging
+    count holds one registration's buffers, not both."""
+    from kvdi.allocator import StagingBuffers
+    from kvdi.connectors.store.blockio import CacheIOs
+
+    buffers = StagingBuffers(pin_memory=False)
+    old = [torch.zeros(BLOCKS, LAYER_BYTES // 4) for _ in range(LAYERS)]
+    first = CacheIOs(old, LAYER_BYTES, 4, buffers, "w/store", staging=True)
+    running, idle = first.take(), first.take()  # two jobs of the first registration
+    first.give_back(idle)
+    held = buffers.nbytes
+    new = [torch.zeros(BLOCKS, LAYER_BYTES // 4) for _ in range(LAYERS)]
+    second = CacheIOs(new, LAYER_BYTES, 4, buffers, "w/store", staging=True)
+    first.give_back(running)  # the old job ends after the new registration
+    job = second.take()
+    assert job is not running and job is not idle and second.idle == 0
+    fill_row(job, 0, 3, 7)
+    job.commit_load(0, 3)
+    assert all(bool((c[3].view(torch.uint8) == 7).all()) for c in new)
+    assert not any(c.any() for c in old)
+    assert buffers.nbytes == held  # the new buffers replaced the old ones by name
+
+
+def test_a_background_jobs_host_wait_sleeps_on_a_blocking_event_and_the_engine_threads_spins() -> None:
+    """Off the engine thread the host waits on a blocking-sync event (the job's thread does not spin a
+    core the engine needs); the engine thread's own short waits stay on a spin-wait event."""
+    io, _caches, cuda = cache_io()
+    fill_row(io, 0, 1, 4)
+    io.commit_load(0, 1)
+    io.finish()  # engine thread
+    fence = io.fence()
+
+    def job() -> None:
+        with io.on_side_stream(fence):
+            fill_row(io, 0, 2, 5)
+            io.commit_load(0, 2)
+            io.finish()
+        io.finish()  # after the side stream: this thread's waits are spin-waits again
+
+    worker = threading.Thread(target=job)
+    worker.start()
+    worker.join()
+    waited = {entry[1] for entry in cuda.log if entry[0] == "host_wait"}
+    assert [(e.name, e.blocking) for e in cuda.events if e.name in waited] == [
+        ("e1", False),
+        ("e3", True),
+        ("e4", False),
+    ]

@@ -127,8 +127,10 @@ def test_staging_is_reused_only_after_the_previous_fetchs_copies_out_of_it_ran()
 class Work:
     def __init__(self, fails: bool = False) -> None:
         self.fails = fails
+        self.waits = 0
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        self.waits += 1
         if self.fails:
             raise RuntimeError("Connection closed by peer")
         return True
@@ -139,10 +141,12 @@ class Group:
         self.posted = 0
         self.failing_part = failing_part
         self.aborted = False
+        self.works: list[Work] = []
 
     def recv(self, tensors: list[torch.Tensor], rank: int, tag: int) -> Work:
         self.posted += 1
-        return Work(fails=self.posted == self.failing_part)
+        self.works.append(Work(fails=self.posted == self.failing_part))
+        return self.works[-1]
 
     def abort(self) -> None:
         self.aborted = True
@@ -167,6 +171,31 @@ def test_a_failed_receive_aborts_the_group_so_posted_receives_never_land_and_bre
     assert group.posted == LAYOUT.num_layers  # every part was posted before the first wait
     assert group.aborted and channel.broken is not None
     assert arrived == [(0, 0, 2)]  # nothing after the failure was handed on
+
+
+def test_a_receive_that_fails_on_its_first_part_settles_every_part_posted_after_it() -> None:
+    """gloo's group abort() is a no-op: each receive still posted is waited for (it lands now or its
+    timeout closes the pair) before the failure is raised, so none lands later."""
+    group = Group(failing_part=1)
+    channel = receiving_channel(group)
+    buffers = [torch.zeros(2 * LAYOUT.layer_block_bytes, dtype=torch.uint8) for _ in range(LAYOUT.num_layers)]
+    answer = Answer(1, (True, True), torch.zeros(0, dtype=torch.uint8), time.monotonic() + 2)
+    with pytest.raises(P2pTransferError, match="Connection closed"):
+        channel.receive(answer, buffers, lambda *part: None)
+    assert [w.waits for w in group.works] == [1] * LAYOUT.num_layers  # each once: the failed one, then the rest
+
+
+def test_closing_a_channel_aborts_its_nccl_group_instead_of_dropping_it() -> None:
+    """close() releases the communicator (abort: it never waits on a peer that may be gone); a gloo
+    group, whose abort() does nothing, is simply dropped."""
+    from kvdi.connectors.p2p.held import HeldBlocks
+
+    for backend, aborted in (("nccl", True), ("gloo", False)):
+        group = Group(failing_part=0)
+        channel = receiving_channel(group)
+        channel.backend, channel._server, channel.held = backend, None, HeldBlocks(1.0, 1 << 20)
+        channel.close()
+        assert (group.aborted, channel._pg, channel.broken) == (aborted, None, "closed")
 
 
 # -- NCCL ------------------------------------------------------------------------------------------
@@ -233,6 +262,62 @@ def test_the_nccl_group_cleans_up_only_on_errors_and_connects_at_pairing(monkeyp
     assert isinstance(group, FakeNccl)
     assert seen["handling"] == groups.CLEAN_UP_ONLY and os.environ[groups.NCCL_ERROR_HANDLING] == "3"
     assert seen["timeout"] == timedelta(seconds=7) and seen["warm_up"] == (1, groups.WARM_UP_TAG)
+
+
+class SendingGroup:
+    """A producer's process group double: records how many bytes of sends are in flight at once."""
+
+    def __init__(self) -> None:
+        self.in_flight: list[NcclWork] = []
+        self.sizes: dict[int, int] = {}
+        self.most = 0
+
+    def send(self, tensors: list[torch.Tensor], rank: int, tag: int) -> Any:
+        group = self
+
+        class SendWork(NcclWork):
+            def wait(self, timeout: timedelta | None = None) -> bool:
+                group.in_flight.remove(self)
+                return super().wait(timeout)
+
+        work = SendWork()
+        self.sizes[id(work)] = tensors[0].numel()
+        self.in_flight.append(work)
+        self.most = max(self.most, sum(self.sizes[id(w)] for w in self.in_flight))
+        return work
+
+
+class OwnStore:
+    def clone(self) -> OwnStore:
+        return self
+
+
+def test_the_producer_copies_at_most_its_staging_budget_of_an_answer_to_the_device_at_once() -> None:
+    """Over NCCL each part of an answer is copied to the device: the serving thread waits for sent parts
+    before it copies more than ``wire_budget`` bytes, however many blocks the consumer asked for."""
+    from kvdi.connectors.p2p.held import HeldBlocks
+    from kvdi.connectors.p2p.protocol import Request, Session
+    from kvdi.connectors.p2p.serving import Server
+
+    source = source_caches()
+    names = [bytes([i]) * 16 for i in range(8)]
+    held = HeldBlocks(60.0, 1 << 24)
+    held.hold(names, gather_frames(source, list(range(8)), LAYOUT, names=names))
+    group, lb = SendingGroup(), LAYOUT.layer_block_bytes
+    copies: list[int] = []
+
+    def wire(tensor: torch.Tensor) -> torch.Tensor:  # the device copy NCCL sends from
+        copies.append(tensor.numel())
+        return tensor.clone()
+
+    server = Server(
+        OwnStore(), group, held, Session(None),  # type: ignore[arg-type]
+        layer_bytes=lb, parts=lambda count: [(layer, a, a + 1) for layer in range(2) for a in range(count)],
+        wire=wire, timeout_s=5.0, hold_s=60.0, on_break=lambda reason: None, backend="nccl", wire_budget=3 * lb,
+    )  # fmt: skip
+    server._answer(Request(1, tuple(names)))
+    assert len(copies) == 1 + 2 * 8 and not group.in_flight  # the header, then 16 one-block parts, all sent
+    assert group.most <= 3 * lb + copies[0]  # the header plus at most the budget of parts
 
 
 # -- late data, over real processes (gloo on loopback, the consumer receives straight into its cache) ----------
@@ -313,3 +398,119 @@ def test_a_fetch_that_timed_out_never_lands_late_in_the_cache(kvdi_env: Any, mon
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
+
+
+# -- a fetch that fails after the header, over a real gloo pair (two ranks on threads, loopback) -----------
+def gloo_pair() -> dict[Any, Any]:
+    """Two real ``ProcessGroupGloo`` ranks of one pair (keys 0 and 1, with their stores), made on two threads."""
+    import threading
+
+    from tests.connectors.test_p2p import free_port
+
+    port, made, errors = free_port(), {}, []
+
+    def rank(r: int) -> None:
+        try:
+            store = torch.distributed.TCPStore("127.0.0.1", port, 2, r == 0, timedelta(seconds=20))
+            made[r] = groups.make_group(
+                "gloo", store, r, timeout=timedelta(seconds=20), device=torch.device("cpu"), host="127.0.0.1",
+                deadline=time.monotonic() + 20,
+            )  # fmt: skip
+            made[f"store{r}"] = store
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and 0 in made and 1 in made, errors
+    return made
+
+
+def test_a_gloo_fetch_failing_after_the_header_leaves_no_receive_to_land_late() -> None:
+    """The consumer fails on the first part it got (its own handling raised) while the producer's next part
+    is still on its way: receive() raises only once that part is settled, so the buffers never change after."""
+    import threading
+
+    from kvdi.connectors.p2p.protocol import PRODUCER_RANK, tag
+
+    pair = gloo_pair()
+    producer_group = pair[0]
+    channel = receiving_channel(Group(failing_part=0))
+    channel._pg = pair[1]
+    lb = LAYOUT.layer_block_bytes
+    parts = [torch.full((2 * lb,), 10 + layer, dtype=torch.uint8) for layer in range(LAYOUT.num_layers)]
+    assert PRODUCER_RANK == 0
+
+    def produce() -> None:  # the answer's parts: the second one late
+        for part, data in enumerate(parts, start=1):
+            if part > 1:
+                time.sleep(0.5)
+            producer_group.send([data], 1, tag(7, part)).wait(timedelta(seconds=10))
+        producer_group.send([torch.ones(1, dtype=torch.uint8)], 1, tag(8, 0)).wait(timedelta(seconds=10))
+
+    def refuse(layer: int, first: int, stop: int) -> None:
+        raise RuntimeError("the consumer's copy of a part failed")
+
+    sender = threading.Thread(target=produce)
+    sender.start()
+    buffers = [torch.zeros(2 * lb, dtype=torch.uint8) for _ in range(LAYOUT.num_layers)]
+    answer = Answer(7, (True, True), torch.zeros(0, dtype=torch.uint8), time.monotonic() + 5)
+    with pytest.raises(P2pTransferError, match="copy of a part failed"):
+        channel.receive(answer, buffers, refuse)
+    after = [b.clone() for b in buffers]
+    marker = torch.zeros(1, dtype=torch.uint8)  # sent after every part on the same connection: they arrived
+    pair[1].recv([marker], 0, tag(8, 0)).wait(timedelta(seconds=10))
+    sender.join(15)
+    assert all(torch.equal(b, a) for b, a in zip(buffers, after, strict=True))  # nothing landed late
+
+
+def fetch_failing_after_the_header(device: str) -> None:
+    """The header and the first layer arrive, the second layer comes only after the fetch's deadline: the
+    fetch fails, its timed-out receive closed the pair, and the late part lands neither in the host
+    staging nor in the cache on ``device``, which keep what they held when the failure was raised."""
+    import threading
+
+    from kvdi.connectors.p2p.frames import CacheReceiver
+    from kvdi.connectors.p2p.protocol import tag
+
+    pair = gloo_pair()
+    channel = receiving_channel(Group(failing_part=0))
+    channel._pg = pair[1]
+    gen = torch.Generator().manual_seed(30)
+    source = [torch.randn((16, *LAYOUT.block_shape), generator=gen) for _ in range(2)]
+    names = [bytes([b]) * 16 for b in (1, 2)]
+    frames = gather_frames(source, [1, 2], LAYOUT, names=names)
+    caches = [torch.randn((16, *LAYOUT.block_shape), generator=gen).to(device) for _ in range(2)]
+    receiver = CacheReceiver(caches, LAYOUT, torch.device("cpu"), None, None)
+    targets = [9, 3]  # not consecutive: staged on the host
+    buffers, direct = receiver.buffers(targets)
+    assert not direct
+    sink = receiver.receiving(buffers, targets, direct, names)
+    answer = Answer(5, (True, True), frames.headers, time.monotonic() + 1.0)
+    late: list[str] = []
+
+    def produce() -> None:
+        pair[0].send([frames.layers[0].contiguous()], 1, tag(5, 1)).wait(timedelta(seconds=10))
+        time.sleep(max(0.0, answer.deadline - time.monotonic()) + 0.5)
+        try:
+            pair[0].send([frames.layers[1].contiguous()], 1, tag(5, 2)).wait(timedelta(seconds=5))
+            late.append("sent")
+        except RuntimeError as exc:
+            late.append(f"failed: {str(exc).splitlines()[0]}")
+
+    sender = threading.Thread(target=produce)
+    sender.start()
+    with pytest.raises(P2pTransferError):
+        channel.receive(answer, buffers, sink)
+    staging, cache = buffers[1].clone(), caches[1].cpu()
+    sender.join(15)
+    assert late and late[0].startswith("failed")  # gloo closed the pair when the receive timed out
+    assert torch.equal(buffers[1], staging) and torch.equal(caches[1].cpu(), cache)
+
+
+def test_a_gloo_fetch_failing_after_the_header_never_lands_late_in_staging_or_the_cache() -> None:
+    """CPU twin of the CUDA test (tests/test_cuda.py): a timed-out second part of a staged fetch."""
+    fetch_failing_after_the_header("cpu")

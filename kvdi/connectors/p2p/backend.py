@@ -41,6 +41,7 @@ def open_channel(options: P2pSettings, layout: KVCacheSpec, settings: KvdiSettin
         backend=pick_backend(options, device),
         device=device,
         engine_id=settings.engine_id,
+        wire_budget=settings.allocator.max_staging_bytes,
     )
 
 

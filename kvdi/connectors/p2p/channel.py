@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from kvdi.connectors.p2p import handshake as hs
 from kvdi.connectors.p2p.errors import P2pHandshakeError, P2pTransferError
-from kvdi.connectors.p2p.groups import drain, make_group, wait_work
+from kvdi.connectors.p2p.groups import close_group, drain, make_group, settle, wait_work
 from kvdi.connectors.p2p.held import Frames, HeldBlocks
 from kvdi.connectors.p2p.lookup import PAIRED_KEY, count_published
 from kvdi.connectors.p2p.pairing import ProducerPairing, consumer_pair
@@ -100,7 +100,10 @@ class P2pChannel:
         backend: Backend,
         device: str,
         engine_id: str,
+        wire_budget: int = 64 << 20,
     ) -> None:
+        """``wire_budget``: the producer's bytes of device copies in flight while it answers a fetch over
+        NCCL (``allocator.max_staging_bytes``; :class:`~kvdi.connectors.p2p.serving.Server`)."""
         self.options = options
         self.layout = layout
         self.producer = producer
@@ -127,7 +130,8 @@ class P2pChannel:
             self._server = Server(
                 self._store, self._pg, self.held, self.session,
                 layer_bytes=self.layer_bytes, parts=self._parts, wire=self._wire,
-                timeout_s=options.timeout_s, hold_s=options.hold_s, on_break=self._break,
+                timeout_s=options.timeout_s, hold_s=options.hold_s, on_break=self._break, backend=backend,
+                wire_budget=wire_budget if backend == "nccl" else None,
             )  # fmt: skip
             self._server.start()
 
@@ -268,17 +272,24 @@ class P2pChannel:
 
         Each layer comes in parts of a few MiB, all posted at once; ``on_part(layer, first,
         stop)`` runs as soon as blocks ``[first, stop)`` of that layer are in (still in the CPU
-        cache), while later parts are still arriving.
+        cache), while later parts are still arriving. On any failure (a part's wait, or ``on_part``)
+        every receive still posted is settled before this raises (:func:`~kvdi.connectors.p2p.groups.settle`):
+        nothing lands in ``buffers`` after it returns.
         """
         lb = self.layer_bytes
         with self._failing(answer.seq, len(answer.found)):
-            posted = []
-            for part, (layer, a, b) in enumerate(self._parts(answer.count), start=1):
-                piece = buffers[layer][a * lb : b * lb]
-                posted.append((layer, a, b, self._pg.recv([piece], PRODUCER_RANK, tag(answer.seq, part))))
-            for layer, a, b, work in posted:
-                self._wait(work, answer.deadline)
-                on_part(layer, a, b)
+            posted, waited = [], 0
+            try:
+                for part, (layer, a, b) in enumerate(self._parts(answer.count), start=1):
+                    piece = buffers[layer][a * lb : b * lb]
+                    posted.append((layer, a, b, self._pg.recv([piece], PRODUCER_RANK, tag(answer.seq, part))))
+                for layer, a, b, work in posted:
+                    waited += 1  # a gloo work is waited once: a second wait blocks until it times out
+                    self._wait(work, answer.deadline)
+                    on_part(layer, a, b)
+            except BaseException:
+                settle([work for *_, work in posted[waited:]], answer.deadline, self.backend)
+                raise
 
     def finish(self, answer: Answer) -> None:
         """Tell the producer this fetch is over (it frees the blocks); ends the fetch begun by :meth:`request`."""
@@ -326,11 +337,12 @@ class P2pChannel:
             self._server.stop(self.options.timeout_s + 1.0)
 
     def close(self) -> None:
-        """Stop serving, unpublish and free held blocks, drop the process group. Idempotent."""
+        """Stop serving, unpublish and free held blocks, release the process group (NCCL: aborted). Idempotent."""
         self.stop_serving()
         with contextlib.suppress(RuntimeError):
             for name in self.held.clear():
                 self._store.delete_key(self.session.published(name))
+        close_group(self._pg, self.backend)
         self._pg = None
         self._broken = self._broken or "closed"
 

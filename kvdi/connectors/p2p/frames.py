@@ -7,7 +7,10 @@ consecutive, that message lands straight in ``cache_l[first:first + count]`` (no
 otherwise in a reusable staging buffer taken from the engine's allocator (``context.staging``),
 then one ``index_copy_`` per layer. Each block is checked against its frame header (layout
 fingerprint, the block key asked for, length, xxh3 of all its layers; with ``KVDI_INTEGRITY_KEY``
-the frame's keyed MAC instead), hashed layer by layer as the layers arrive.
+the frame's keyed MAC instead), hashed layer by layer as the layers arrive. Parts received on
+the device (NCCL) are hashed from one reused host buffer of the allocator (pinned on a CUDA
+engine), copied on the receiving thread's current stream and waited for on an event, never a
+pageable ``.cpu()`` per part.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvdi.allocator import Staging
+    from kvdi.connectors.streams import StreamOrder
     from kvdi.layout import KVCacheSpec
 
 
@@ -77,7 +81,10 @@ class CacheReceiver:
         wire_device: torch.device,
         staging: Staging | None = None,
         key: FrameKey | None = None,
+        order: StreamOrder | None = None,
     ) -> None:
+        """``order`` orders the device-to-host copies of parts to hash against the receiving stream
+        (:mod:`kvdi.connectors.streams`); None: a synchronous copy."""
         import torch
 
         if staging is None:
@@ -96,6 +103,24 @@ class CacheReceiver:
         self._u8 = [c.view(torch.uint8).view(c.shape[0], self.layer_bytes) for c in self.caches]
         self.direct_ok = all(c.device == wire_device for c in self.caches)
         self._staging: list[torch.Tensor] = []
+        self.order = order
+        self._host: torch.Tensor | None = None  # where device parts are copied to be hashed
+
+    def host_bytes(self, part: torch.Tensor) -> np.ndarray:
+        """The bytes of a received part on the host: the part itself (CPU), or a copy into the reused host
+        buffer (valid until the next call: the part is hashed before the next one is copied)."""
+        if part.device.type == "cpu":
+            return part.numpy()
+        n = part.numel()
+        if self._host is None or self._host.numel() < n:
+            self._host = self.staging(n, owner="p2p-receiver/host")  # pinned when the engine's cache is on CUDA
+        host = self._host[:n]
+        if self.order is None:
+            host.copy_(part)
+        else:
+            self.order.copy(host, part)
+            self.order.wait()
+        return host.numpy()
 
     def buffers(self, targets: Sequence[int]) -> tuple[list[torch.Tensor], bool]:
         """Where each layer's message for blocks ``targets`` is received, and whether that is the cache itself."""
@@ -145,7 +170,7 @@ class LayerSink:
         """Blocks ``[first, stop)`` of ``layer`` arrived: update their checksums, place them if staged."""
         lb = self.receiver.layer_bytes
         part = self.buffers[layer][first * lb : stop * lb]
-        host = (part if part.device.type == "cpu" else part.cpu()).numpy()
+        host = self.receiver.host_bytes(part)
         for i in range(stop - first):
             self._hashers[first + i].update(host[i * lb : (i + 1) * lb].data)
         if not self.direct:

@@ -10,8 +10,15 @@
   stalled peer breaks the channel and the engine lives on. The communicator is created at
   pairing (one warm-up message, on the thread that pairs, within ``connect_timeout_s``), not
   lazily inside the first fetch on whichever thread gets there.
-- :func:`drain`: after a failed fetch the group is aborted, so receives still posted (into
-  the KV cache, or into staging) cannot land late in blocks that may belong to another request.
+- After a failed fetch, receives still posted (into the KV cache, or into staging) must never
+  land late in blocks the engine recomputes or reuses. gloo's ``abort()`` is a no-op (torch binds
+  no ``Work.abort()`` either), so :func:`settle` waits for each posted gloo receive, up to the
+  fetch's deadline and at least :data:`SETTLE_MIN_S`: it lands now, before the blocks go back to
+  the engine, or its wait times out, and a gloo timeout closes the pair's connections, so it
+  never lands. NCCL: :func:`drain` aborts the communicator, which ends every posted operation.
+- :func:`close_group`: a channel's ``close()`` aborts an NCCL group (never waiting on a peer that
+  may be dead) instead of dropping it, which would leave the communicator and its watchdog thread
+  alive until the process exits.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +36,7 @@ import torch.distributed as dist
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 CLEAN_UP_ONLY = "2"
 POLL_S = 0.0005
+SETTLE_MIN_S = 0.05  # a gloo wait this short still times out for real (and closes the pair) past the deadline
 WARM_UP_TAG = (1 << 30) - 1  # sent before any fetch
 
 
@@ -94,6 +102,26 @@ def wait_work(work: Any, deadline: float, backend: str, what: str = "an answer")
     work.wait()  # the current stream now follows the operation (no host wait: it completed)
 
 
+def settle(works: Sequence[Any], deadline: float, backend: str) -> None:
+    """After a failed receive: let nothing of ``works`` (posted receives not waited for yet) land after this returns.
+
+    gloo: wait for each, up to ``deadline`` (at least :data:`SETTLE_MIN_S`), ignoring its failure
+    (see the module docstring). NCCL: nothing here; :func:`drain` aborts the group."""
+    if backend == "nccl":
+        return
+    for work in works:
+        left = max(deadline - time.monotonic(), SETTLE_MIN_S)
+        with contextlib.suppress(Exception):  # it failed or timed out: then it will not land either
+            work.wait(timedelta(seconds=left))
+
+
+def close_group(group: Any, backend: str) -> None:
+    """Release the pair's group for good: NCCL's communicator is aborted (never waits on the peer)."""
+    if group is not None and backend == "nccl":
+        with contextlib.suppress(RuntimeError):
+            group.abort()
+
+
 def drain(group: Any) -> bool:
     """Abort ``group`` so nothing still posted on it lands; True when it was aborted."""
     abort = getattr(group, "abort", None)
@@ -104,4 +132,4 @@ def drain(group: Any) -> bool:
     return True
 
 
-__all__ = ["drain", "make_group", "wait_work", "warm_up"]
+__all__ = ["close_group", "drain", "make_group", "settle", "wait_work", "warm_up"]

@@ -2,7 +2,10 @@
 
 One daemon thread pops the request queue of the rendezvous store (polling: a blocking pop
 logs a C++ warning per timeout), answers each request over the process group (a header of
-found flags and frame headers, then each layer of the found blocks in parts of a few MiB),
+found flags and frame headers, then each layer of the found blocks in parts of a few MiB; over
+NCCL each part is copied to the device first, and at most ``wire_budget`` bytes of such copies
+(the producer's ``allocator.max_staging_bytes``, at least one part) are in flight at once: the
+server waits for those sends on the host before it copies more, whatever the consumer asked for),
 frees blocks on the consumer's acknowledgement, and unpublishes blocks that expire. Every
 message is decoded strictly (:meth:`~kvdi.connectors.p2p.protocol.Session.decode`): a bad one
 is dropped, counted in :attr:`Server.rejected` and logged once per reason, and the loop goes
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from kvdi.connectors.logging_once import log_once
+from kvdi.connectors.p2p.groups import wait_work
 from kvdi.connectors.p2p.held import HeldBlocks
 from kvdi.connectors.p2p.pairing import answer_busy
 from kvdi.connectors.p2p.protocol import CONSUMER_RANK, REQUEST_QUEUE, Ack, BadMessage, Request, Session, tag
@@ -58,7 +62,11 @@ class Server:
         timeout_s: float,
         hold_s: float,
         on_break: Callable[[str], None],
+        backend: str = "gloo",
+        wire_budget: int | None = None,
     ) -> None:
+        """``wire_budget``: bytes of device copies of parts (``wire``) in flight at once; None: ``wire``
+        copies nothing (gloo sends the held host frames themselves)."""
         self._store = store.clone()  # type: ignore[attr-defined]  # its own connection: pops never wait on publishing
         self._group = group
         self.held = held
@@ -67,6 +75,9 @@ class Server:
         self._parts = parts
         self._wire = wire
         self._timeout = timedelta(seconds=timeout_s)
+        self._timeout_s = timeout_s
+        self._backend = backend
+        self._wire_budget = wire_budget
         self._hold_s = hold_s
         self._on_break = on_break
         self._stop = threading.Event()
@@ -134,15 +145,25 @@ class Server:
         works = []
         if frames is not None:
             header[8 + n : 8 + n + frames.headers.numel()] = frames.headers
+        deadline = time.monotonic() + self._timeout_s
         works.append(self._group.send([self._wire(header)], CONSUMER_RANK, tag(seq, 0)))
         if frames is not None:
-            lb = self._layer_bytes
+            lb, copied = self._layer_bytes, 0
             for part, (layer, a, b) in enumerate(self._parts(frames.count), start=1):
-                piece = self._wire(frames.layers[layer, a * lb : b * lb])
-                works.append(self._group.send([piece], CONSUMER_RANK, tag(seq, part)))
-        for work in works:
-            work.wait(self._timeout)
+                src = frames.layers[layer, a * lb : b * lb]
+                if self._wire_budget is not None:  # device copies: bounded, whatever the consumer asked for
+                    if copied and copied + src.numel() > self._wire_budget:
+                        self._settle(works, deadline)
+                        works, copied = [], 0
+                    copied += src.numel()
+                works.append(self._group.send([self._wire(src)], CONSUMER_RANK, tag(seq, part)))
+        self._settle(works, deadline)
         self._inflight[seq] = ([k for k, f in zip(names, found, strict=True) if f], time.monotonic())
+
+    def _settle(self, works: Sequence[Any], deadline: float) -> None:
+        """Wait on the host until ``works`` (sends) are done; their device copies may then be freed."""
+        for work in works:
+            wait_work(work, deadline, self._backend, "a send")
 
     def _forget_stale(self) -> None:
         """Drop sent batches never acknowledged (their blocks expire on their own)."""

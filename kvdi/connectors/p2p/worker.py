@@ -79,7 +79,7 @@ class P2pWorkerConnector(WorkerConnector):
             self._order = order_for(self._caches[0].device)
         if not self.channel.producer:
             self._receiver = CacheReceiver(
-                self._caches, self.layout, self.channel.wire_device, self.context.staging, self._key
+                self._caches, self.layout, self.channel.wire_device, self.context.staging, self._key, self._order
             )
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:

@@ -13,6 +13,7 @@ device-wide synchronize).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -63,11 +64,13 @@ class CacheIO:
         staging: bool | None = None,
         buffers: Staging | None = None,
         order: StreamOrder | None = None,
+        owner: str | None = None,
     ) -> None:
         """``staging`` forces (True) or forbids (False) the host bounce; None: only for non-CPU caches.
 
         ``buffers`` is where the staging rows come from (the worker half's
-        ``context.staging``); None: a private :class:`~kvdi.allocator.StagingBuffers`.
+        ``context.staging``); None: a private :class:`~kvdi.allocator.StagingBuffers`. ``owner``
+        names the staging buffer there (asking again under the same owner replaces it).
         ``order`` orders the copies of a CUDA cache against the engine's stream
         (:mod:`kvdi.connectors.streams`); None: :func:`~kvdi.connectors.streams.order_for` the cache's device.
         """
@@ -100,7 +103,7 @@ class CacheIO:
 
                 buffers = StagingBuffers(pin_memory=first.device.type == "cuda")
             row_bytes = layer_bytes * len(caches)
-            self._staging = buffers(chunk * row_bytes).view(chunk, row_bytes)
+            self._staging = buffers(chunk * row_bytes, owner=owner).view(chunk, row_bytes)
             self._staging_np = self._staging.numpy()
 
     def _row_pieces(self, i: int) -> list[memoryview]:
@@ -164,6 +167,51 @@ class CacheIO:
                 self._copy(row[l * lb : (l + 1) * lb], u[b])
         self.finish()
         return [self._row_pieces(i) for i in range(len(block_ids))]
+
+
+class CacheIOs:
+    """The cache access of one ``register_kv_caches`` and the staging :class:`CacheIO` s its background jobs take.
+
+    A job takes a CacheIO of its own (:meth:`take`: on a CPU cache the shared one, on a device
+    cache one with private host staging, reused job after job) and gives it back when done
+    (:meth:`give_back`). A new registration makes a new ``CacheIOs``: jobs still running on the
+    old one give their CacheIO back to the old object, which the worker no longer holds, so no
+    new job ever copies into the caches of an earlier registration and the old caches and
+    staging die with the last such job. The staging buffers are named ``<owner>/cache`` and
+    ``<owner>/job<k>`` in ``buffers``, so the next registration's buffers replace them in the
+    allocator's count instead of adding to it.
+    """
+
+    def __init__(
+        self, caches: Sequence[torch.Tensor], layer_bytes: int, chunk: int, buffers: Staging | None, owner: str,
+        staging: bool | None = None,
+    ) -> None:  # fmt: skip
+        self.caches = list(caches)
+        self._args = (layer_bytes, chunk, buffers, owner, staging)
+        self.io = CacheIO(self.caches, layer_bytes, chunk, staging=staging, buffers=buffers, owner=f"{owner}/cache")
+        self._free: list[CacheIO] = []
+        self._made = itertools.count()  # next() is atomic: load jobs take from their own threads
+
+    def take(self) -> CacheIO:
+        """Cache access for one background job: the cache itself (CPU) or a staging buffer of its own."""
+        if self.io.direct:
+            return self.io
+        try:
+            return self._free.pop()
+        except IndexError:
+            layer_bytes, chunk, buffers, owner, _ = self._args
+            name = f"{owner}/job{next(self._made)}"
+            return CacheIO(self.caches, layer_bytes, chunk, staging=True, buffers=buffers, owner=name)
+
+    def give_back(self, io: CacheIO) -> None:
+        """A job is done with ``io`` (from :meth:`take`)."""
+        if io is not self.io:
+            self._free.append(io)
+
+    @property
+    def idle(self) -> int:
+        """Job CacheIOs given back and not taken again."""
+        return len(self._free)
 
 
 def usable_cpus() -> int:

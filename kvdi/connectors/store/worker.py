@@ -42,7 +42,7 @@ from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue, add_sta
 if TYPE_CHECKING:
     import torch
 
-    from kvdi.connectors.store.blockio import CacheIO
+    from kvdi.connectors.store.blockio import CacheIO, CacheIOs
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +73,7 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
         self._frame_bytes = HEADER_SIZE + layout.block_bytes
         self._chunk = max(1, CHUNK_BYTES // layout.block_bytes)
         self._readahead = max(self._chunk, READAHEAD_BYTES // layout.block_bytes)  # blocks
-        self._io: CacheIO | None = None
-        self._tensors: list[torch.Tensor] = []
-        self._staging: list[CacheIO] = []  # free host staging for background jobs on a device cache
+        self._ios: CacheIOs | None = None  # this registration's cache access and its jobs' staging
         self._executor: ThreadPoolExecutor | None = None
         self._fetcher: ThreadPoolExecutor | None = None
         self._cpus: int | None = None
@@ -90,22 +88,25 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
         self.block_events: deque[tuple[bool, bytes]] | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        from kvdi.connectors.store.blockio import CacheIO
+        from kvdi.connectors.store.blockio import CacheIOs
 
         layout = self.context.layout
         names = [n for n in layout.layer_names if n in kv_caches]
         tensors = [kv_caches[n] for n in names] if len(names) == len(kv_caches) else list(kv_caches.values())
-        self._io = CacheIO(tensors, layout.layer_block_bytes, self._chunk, buffers=self.context.staging)
-        self._tensors = tensors
+        # A new registration replaces the old one whole: jobs still running give their staging back to the old one.
+        self._ios = CacheIOs(tensors, layout.layer_block_bytes, self._chunk, self.context.staging, f"{self.name}/store")
 
     @property
     def inflight_bytes(self) -> int:  # queued asynchronous saves: a gauge for the vLLM adapter's metrics
         return self._queue.inflight_bytes
 
     def _cache(self) -> CacheIO:
-        if self._io is None:
+        return self._cache_ios().io
+
+    def _cache_ios(self) -> CacheIOs:
+        if self._ios is None:
             raise RuntimeError(f"connector {self.name!r}: register_kv_caches() was not called before a transfer")
-        return self._io
+        return self._ios
 
     def _overlap(self, io: CacheIO) -> bool:
         """Whether store calls overlap checksums on other threads (``io_thread``); never for device caches,
@@ -147,22 +148,6 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
             self._held.update(t.request_id for t in metadata.saves)
 
     # -- background jobs -----------------------------------------------------------------------
-
-    def _job_io(self) -> CacheIO:
-        """Cache access for one background job: the cache itself (CPU) or a staging buffer of its own."""
-        io = self._cache()
-        if io.direct:
-            return io
-        try:
-            return self._staging.pop()
-        except IndexError:
-            from kvdi.connectors.store.blockio import CacheIO
-
-            return CacheIO(self._tensors, io.layer_bytes, self._chunk, staging=True, buffers=self.context.staging)
-
-    def _release_io(self, io: CacheIO) -> None:
-        if io is not self._io:
-            self._staging.append(io)
 
     def _collect(self, outcomes: list[Outcome]) -> None:
         """Apply finished jobs on the engine thread: counters, load errors, finished loads."""
@@ -213,22 +198,23 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
                 for transfer in meta.loads:
                     self.report_load_error(self._load_request(io, transfer, self.stats, self._background(io)))
         if isinstance(meta, StoreTransferMetadata) and meta.async_loads:
-            fence = self._cache().fence()  # CUDA: the jobs' copies follow the compute queued so far (issue 22)
-            fetch = self._background(self._cache(), fetch=True)  # made here: job threads never race to make it
+            ios = self._cache_ios()  # the jobs copy into this registration's caches, whenever they run
+            fence = ios.io.fence()  # CUDA: the jobs' copies follow the compute queued so far (issue 22)
+            fetch = self._background(ios.io, fetch=True)  # made here: job threads never race to make it
             for transfer in meta.async_loads:
-                job = partial(self._load_job, transfer, fence, fetch)
+                job = partial(self._load_job, ios, transfer, fence, fetch)
                 self._queue.submit_load(transfer.request_id, transfer.block_ids, job)
 
     def _load_job(
-        self, transfer: BlockTransfer, fence: object = None, fetch: ThreadPoolExecutor | None = None
+        self, ios: CacheIOs, transfer: BlockTransfer, fence: object = None, fetch: ThreadPoolExecutor | None = None
     ) -> Outcome:
-        io = self._job_io()
+        io = ios.take()
         out = Outcome(transfer.request_id, True)
         try:
             with io.on_side_stream(fence):  # CUDA: a side stream after ``fence``; each chunk waits on its event
                 out.failed_blocks = tuple(self._load_request(io, transfer, out.stats, fetch if io.direct else None))
         finally:
-            self._release_io(io)
+            ios.give_back(io)
         return out
 
     def _load_request(
@@ -321,13 +307,15 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
         ids, keys = transfer.block_ids, transfer.block_keys
         for start in range(0, len(ids), self._chunk):
             span = slice(start, start + self._chunk)
-            job_io = io if io.direct else self._job_io()
+            ios = self._cache_ios()
+            job_io = ios.take()
             pieces = None if io.direct else job_io.save_pieces(ids[span])  # device: copy out to staging now
-            job = partial(self._save_job, job_io, transfer.request_id, ids[span], keys[span], pieces)
+            job = partial(self._save_job, ios, job_io, transfer.request_id, ids[span], keys[span], pieces)
             self._queue.submit_save(transfer.request_id, len(ids[span]) * self._block_bytes, ids[span], job)
 
     def _save_job(
         self,
+        ios: CacheIOs,
         io: CacheIO,
         request_id: str,
         ids: Sequence[int],
@@ -339,7 +327,7 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
             framed = self._frames(io, ids, keys, pieces)
             self._settle(out.stats, len(framed), partial(self.store.put_many, framed), keys)
         finally:
-            self._release_io(io)
+            ios.give_back(io)
         return out
 
     def _save_now(self, io: CacheIO, saves: Sequence[BlockTransfer]) -> None:
@@ -393,8 +381,7 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
             if pool is not None:
                 pool.shutdown(wait=True)
         self._executor = self._fetcher = None
-        self._staging.clear()
-        self._io = None
+        self._ios = None
 
 
 __all__ = ["CHUNK_BYTES", "READAHEAD_BYTES", "StoreWorkerConnector"]
