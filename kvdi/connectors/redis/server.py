@@ -205,8 +205,7 @@ class RedisNode:
         return OSError(f"redis at {self.label}: {op} got an unusable reply ({type(exc).__name__}: {describe(exc)})")
 
 
-UNSIZED_READ_BYTES = 1 << 30
-"""The bound of a read whose frame size the store was not told (``max_object_bytes=None``): at most 1 GiB."""
+UNSIZED_READ_BYTES = 1 << 30  # the bound of a read whose frame size the store was not told
 
 
 def lookup_exchange(node: RedisNode, names: Sequence[bytes]) -> Exchange:
@@ -362,18 +361,18 @@ class RedisBlockStore:
         self._replies(Exchange(self.node, [pack_command(b"DEL", self._name(key))], 1, "discard"))
 
     def check(self) -> str:
-        """Reach the server, make sure it is not a cluster node and stores objects (a probe key written and
-        deleted): a one-line summary, or ConfigError."""
+        """Reach the server: not a cluster node, stores a probe, room for a frame; a summary, or ConfigError."""
         from kvdi.connectors.redis.probe import PROBE_TTL_S, check_single, probe_name
 
-        exchange = self.node.run(Exchange(self.node, [pack_command(b"INFO", b"cluster")], 1, "check", bounds=INFO))
+        info = pack_command(b"INFO", b"cluster") + pack_command(b"INFO", b"memory")
+        exchange = self.node.run(Exchange(self.node, [info], 2, "check", bounds=INFO))
 
         def probe() -> list[object] | OSError | None:
             name, ttl = probe_name(self._prefix), str(PROBE_TTL_S).encode()
             packed = pack_command(b"SET", name, b"probe", b"EX", ttl) + pack_command(b"DEL", name)
             return self.node.run(Exchange(self.node, [packed], 2, "check")).result
 
-        return check_single(exchange.result, self.url, probe)
+        return check_single(exchange.result, self.url, probe, self.max_object_bytes)
 
     def close(self) -> None:
         """Close every pooled connection; the store must not be used afterwards."""
