@@ -214,3 +214,53 @@ def test_the_store_serves_again_after_a_hostile_reply(serve: Callable[[Stream, b
     first = lookup(store)
     assert first == 0 or isinstance(first, OSError)
     assert store.count_prefix([KEY]) == 1
+
+
+def admin_script(hostile: bytes) -> Stream:
+    """A store of one object ``kvdi:<32 hex>``: SCAN, STRLEN and OBJECT answered honestly, ``hostile`` with 600 MB."""
+    name = b"kvdi:" + b"ab" * 16
+
+    def script(args: list[bytes], data: dict[bytes, bytes]) -> Iterable[bytes] | bytes | None:
+        cmd = args[0].upper()
+        if cmd == hostile:
+            return huge_bulk()
+        if cmd == b"SCAN":
+            return b"*2\r\n$1\r\n0\r\n*1\r\n$%d\r\n%s\r\n" % (len(name), name)
+        if cmd == b"STRLEN":
+            return b":4096\r\n"
+        if cmd == b"OBJECT":
+            return b":5\r\n"
+        if cmd == b"PING":
+            return b"+PONG\r\n"
+        return None
+
+    return script
+
+
+@pytest.mark.parametrize("hostile", [b"SCAN", b"GETRANGE"])
+def test_kvdi_store_stats_on_a_hostile_server_costs_no_memory(hostile: bytes) -> None:
+    """Administration exchanges are bounded too: a 600 MB SCAN reply is an error (one line in the CLI), a 600 MB
+    reply to the header read makes the object foreign; neither costs memory nor more than the deadline."""
+    from kvdi.admin import open_admin, store_stats
+    from kvdi.settings import load_settings
+
+    server = StreamingRedis(admin_script(hostile))
+    try:
+        settings = load_settings(kv_connector="redis", redis={"url": server.url, "op_timeout_s": OP_TIMEOUT_S})
+        admin = open_admin(settings)
+        started = time.monotonic()
+        with PeakRss() as rss:
+            try:
+                outcome: object = store_stats(admin)
+            except OSError as exc:
+                outcome = exc
+            finally:
+                admin.close()
+        elapsed = time.monotonic() - started
+    finally:
+        server.close()
+    assert rss.grown < 64 << 20 and elapsed < OP_TIMEOUT_S + 1.0
+    if hostile == b"SCAN":
+        assert isinstance(outcome, OSError)
+    else:
+        assert not isinstance(outcome, OSError) and outcome.foreign == 1 and outcome.total.objects == 0  # type: ignore[attr-defined]
