@@ -34,10 +34,11 @@ def add_store_parser(sub: Any) -> None:
     stats = actions.add_parser("stats", parents=[common], help="objects, bytes, oldest and newest, per folder or node")
     stats.set_defaults(func=cmd_store_stats)
     verify = actions.add_parser("verify", parents=[common], help="read and check every object; exit 1 if any is bad")
-    verify.add_argument("--drop", action="store_true", help="remove the bad objects")
+    verify.add_argument("--drop", action="store_true", help="remove the bad kvdi objects (never foreign entries)")
     verify.set_defaults(func=cmd_store_verify)
-    clear = actions.add_parser("clear", parents=[common], help="remove every object (asks first)")
+    clear = actions.add_parser("clear", parents=[common], help="remove every kvdi object (asks first)")
     clear.add_argument("--yes", action="store_true", help="do not ask")
+    clear.add_argument("--dry-run", action="store_true", help="remove nothing: list what would be removed")
     clear.set_defaults(func=cmd_store_clear)
 
 
@@ -109,7 +110,10 @@ def cmd_store_stats(args: argparse.Namespace, _rest: list[str]) -> int:
     table.add_row("total", str(t.objects), str(t.bytes), _when(t.oldest), _when(t.newest), style="bold")
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
-    console.print(f"other entries (not kvdi objects, left alone): {stats.other}; odd entries: {stats.odd}")
+    console.print(
+        f"other entries (not kvdi objects, left alone): {stats.other}; foreign entries under object names "
+        f"(no kvdi frame, left alone): {stats.foreign}, of them odd (no plain object): {stats.odd}"
+    )
     console.print(f"settings: {json.dumps(info['settings'])}")
     return 0
 
@@ -125,9 +129,12 @@ def cmd_store_verify(args: argparse.Namespace, _rest: list[str]) -> int:
     else:
         for bad in report.bad:
             print(f"bad: {bad.group}/{bad.name} ({bad.reason}){' dropped' if bad.dropped else ''}")
+        for foreign in report.foreign:
+            print(f"foreign: {foreign.group}/{foreign.name} ({foreign.why}), left alone")
         print(
             f"{report.kind} at {report.where}: {report.checked} objects checked, {report.good} good, "
-            f"{len(report.bad)} bad{' (dropped)' if args.drop and report.bad else ''} in {report.seconds:.2f} s"
+            f"{len(report.bad)} bad{' (dropped)' if args.drop and report.bad else ''}, "
+            f"{len(report.foreign)} foreign (left alone) in {report.seconds:.2f} s"
         )
     return EXIT_BAD_OBJECTS if report.bad else 0
 
@@ -136,7 +143,7 @@ def cmd_store_clear(args: argparse.Namespace, _rest: list[str]) -> int:
     from kvdi.admin import clear_store, store_stats
 
     with _opened(args) as (admin, _settings):
-        if not args.yes:
+        if not args.yes and not args.dry_run:
             count = store_stats(admin).total.objects
             if not sys.stdin.isatty():
                 raise ConfigError(f"kvdi store clear: would remove {count} objects from {admin.where}; add --yes")
@@ -145,11 +152,18 @@ def cmd_store_clear(args: argparse.Namespace, _rest: list[str]) -> int:
                 print("nothing removed")
                 return 0
         with _progress("clearing") as progress:
-            removed = clear_store(admin, progress)
+            report = clear_store(admin, progress, dry_run=args.dry_run)
     if args.json:
-        print(json.dumps({"kind": admin.kind, "where": admin.where, "removed": removed}))
-    else:
-        print(f"removed {removed} objects from {admin.kind} at {admin.where}")
+        print(json.dumps(report.as_dict()))
+        return 0
+    if args.dry_run:
+        for obj in report.removed:
+            print(f"would remove: {obj.group}/{obj.name} ({obj.size} B)")
+    done = "would remove" if args.dry_run else "removed"
+    print(
+        f"{done} {len(report.removed)} objects from {admin.kind} at {admin.where}; "
+        f"{len(report.foreign)} foreign entries left alone"
+    )
     return 0
 
 

@@ -99,3 +99,15 @@ def test_an_app_composing_kvdi_builds_in_a_folder_with_other_tools_dotenv(shared
         assert container.kv.connector().spec.name == "shared_storage"
     finally:
         app.shutdown_resources()
+
+
+def test_deep_json_in_dotenv_is_blamed_on_the_dotenv_variable(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """JSON nested past the parser's depth in a ``.env`` line names that line's variable, not a ``KVDI_*``
+    variable of the environment that merely holds brackets (issue 28, item 6)."""
+    monkeypatch.setenv("KVDI_MULTI__TIERS", '["cpu_offload", "shared_storage"]')
+    deep = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
+    (kvdi_env / ".env").write_text(OTHER_TOOLS + f"KVDI_KV_CONNECTOR_EXTRA_CONFIG={deep}\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings()
+    assert ".env: KVDI_KV_CONNECTOR_EXTRA_CONFIG is nested deeper than 32 levels" in str(err.value)
+    assert "KVDI_MULTI__TIERS" not in str(err.value) and "hf_" not in str(err.value)

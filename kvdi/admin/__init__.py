@@ -3,7 +3,8 @@
 :func:`open_admin` opens the store of the selected connector (``KVDI_KV_CONNECTOR``, or the
 one named) from kvdi's settings, by the connector spec's backend: shared_storage folders
 (:mod:`.files`) and Redis servers and clusters (:mod:`.redis_admin`). The operations
-(:func:`store_stats`, :func:`verify_store`, :func:`clear_store`) are in :mod:`.model`.
+(:func:`store_stats`, :func:`verify_store`, :func:`clear_store`) are in :mod:`.model`; they only
+ever remove an object whose content is a kvdi frame (foreign entries are reported and kept).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from kvdi.admin.model import (
     BadObject,
+    ClearReport,
+    ForeignObject,
     GroupStats,
     StoreAdmin,
     StoreObject,
@@ -83,6 +86,8 @@ def open_admin(settings: KvdiSettings, connector: str | None = None) -> StoreAdm
 
 __all__ = [
     "BadObject",
+    "ClearReport",
+    "ForeignObject",
     "GroupStats",
     "StoreAdmin",
     "StoreObject",

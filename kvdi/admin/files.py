@@ -3,9 +3,10 @@
 The folder is as hostile here as it is to the engine: the root is opened ``O_DIRECTORY |
 O_NOFOLLOW``, fan-out folders through the root's descriptor, objects through their folder's
 descriptor with ``O_NOFOLLOW | O_NONBLOCK``. An entry under an object's name that is no
-regular file (a symlink, a FIFO, a folder) is listed as odd (``verify`` reports it, ``clear``
-and ``verify --drop`` remove it, never what it points at). Writers' temp files (dot names) and
-anything else are counted as other entries and left alone.
+regular file (a symlink, a FIFO, a folder) is listed as odd: kvdi never writes one, so it is
+foreign (reported, never removed, never followed). Objects are read with ``pread`` at most the
+bytes asked (a header, then one frame's payload in chunks), whatever size the file claims.
+Writers' temp files (dot names) and anything else are counted as other entries and left alone.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import stat
-import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvdi.admin.model import StoreObject, is_hex, is_key_name
@@ -87,7 +86,11 @@ class FileStoreAdmin:
                 return None
             raise
 
-    def read(self, obj: StoreObject) -> bytes | None:
+    def read_many(self, objs: Sequence[StoreObject], offset: int, length: int) -> list[bytes | None]:
+        return [self._read(obj, offset, length) for obj in objs]
+
+    def _read(self, obj: StoreObject, offset: int, length: int) -> bytes | None:
+        """At most ``length`` bytes of ``obj`` from ``offset`` (``pread``: never more, whatever the file's size)."""
         prefix, name = obj.ref
         sub = self._sub(prefix)
         if sub is None:
@@ -96,35 +99,35 @@ class FileStoreAdmin:
             fd = os.open(name, _READ_FLAGS, dir_fd=sub)
         except FileNotFoundError:
             return None
+        except OSError:  # a symlink or a FIFO put there since the listing: no frame
+            return b""
         finally:
             os.close(sub)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return b""
             chunks: list[bytes] = []
-            left = obj.size
-            while left > 0:
-                chunk = os.read(fd, min(left, 1 << 22))
+            got = 0
+            while got < length:
+                chunk = os.pread(fd, length - got, offset + got)
                 if not chunk:
                     break
                 chunks.append(chunk)
-                left -= len(chunk)
+                got += len(chunk)
             return b"".join(chunks)
         finally:
             os.close(fd)
 
     def remove(self, obj: StoreObject) -> bool:
+        """Unlink one regular file (only ever asked for an object whose content is a kvdi frame)."""
         prefix, name = obj.ref
+        if obj.odd is not None:  # a folder, a symlink, a FIFO under an object's name: never kvdi's, never removed
+            return False
         sub = self._sub(prefix)
         if sub is None:
             return False
         try:
-            if obj.odd == "folder":
-                if sys.version_info < (3, 11):  # no fd-based rmtree: leave it, verify keeps reporting it
-                    return False
-                shutil.rmtree(name, dir_fd=sub)  # fd-based: never follows a link inside
-            else:
-                os.unlink(name, dir_fd=sub)
+            os.unlink(name, dir_fd=sub)
             return True
         except FileNotFoundError:
             return False

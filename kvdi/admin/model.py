@@ -1,28 +1,50 @@
 """What every store administration backend offers, and the three operations over it (stats, verify, clear).
 
 A backend (:class:`StoreAdmin`) lists the objects of one store (:class:`StoreObject`: its
-name, the fan-out folder or node that holds it, its size and last write-or-use time), reads
-one object bounded by its size, removes one, and describes where it is. The operations here
-know nothing about files or Redis: :func:`store_stats` sums the listing per group,
-:func:`verify_store` reads every object and checks it as a frame (:func:`check_object`),
-:func:`clear_store` removes every object. Only names kvdi writes (32 hex digits, under the
-backend's prefix or fan-out folder) are objects; anything else under the root or the prefix is
-counted as ``other`` and never read or removed.
+name, the fan-out folder or node that holds it, its size and last write-or-use time), reads a
+bounded range of objects, removes one, and describes where it is. The operations here know
+nothing about files or Redis: :func:`store_stats` sums the listing per group,
+:func:`verify_store` checks every object as a frame, :func:`clear_store` removes every object.
+
+Two tests make an entry kvdi's. Its name: 32 hex digits under the backend's prefix or fan-out
+folder (anything else is ``other``, never read). Its content: the first :data:`HEADER_SIZE`
+bytes, read before anything else, must open with the frame magic (``KVDI``); an entry that does
+not (another application's value, a symlink or folder in an object's place) is ``foreign``:
+counted and listed, never removed by ``clear`` or ``verify --drop``.
+
+Reads are bounded whatever a store claims: the header first, then (``verify``) one frame's
+payload as the header declares it, in :data:`READ_CHUNK` pieces through a streaming hasher, so
+memory stays at one chunk per object; an object larger than ``max_object_bytes`` is reported as
+``oversize`` and never read past its header.
 """
 
 from __future__ import annotations
 
+import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvdi.connectors.store.framing import HEADER_SIZE, CorruptObjectError, FrameKey, unframe
+from kvdi.connectors.store.framing import (
+    HEADER_SIZE,
+    MAGIC,
+    CorruptObjectError,
+    FrameKey,
+    PayloadHasher,
+    check_header,
+    unframe,
+)
 
 KEY_HEX = 32  # a block key is 16 bytes, named by its hex
 MAX_OBJECT_BYTES = 1 << 30
 """Objects larger than this are reported as ``oversize`` by ``verify`` and never read (a frame of a very
 large model's block is a few MiB)."""
+READ_CHUNK = 4 << 20
+"""The most bytes of one object held at once while ``verify`` checks it."""
+_BATCH = 256  # objects whose headers are read in one call
+_LENGTH = struct.Struct("<Q")
+_LENGTH_AT = 40  # the header's payload-length field (see kvdi.connectors.store.framing)
 
 
 def is_hex(name: str) -> bool:
@@ -63,12 +85,13 @@ class StoreAdmin(Protocol):
         """Entries under the root or prefix that are not kvdi objects (counted, never touched)."""
         ...
 
-    def read(self, obj: StoreObject) -> bytes | None:
-        """The object's bytes (at most ``obj.size``), or None when it vanished."""
+    def read_many(self, objs: Sequence[StoreObject], offset: int, length: int) -> list[bytes | None]:
+        """Bytes ``[offset, offset + length)`` of each object (never more; fewer at its end), None when it
+        vanished, ``b""`` when it is no plain object (any more)."""
         ...
 
     def remove(self, obj: StoreObject) -> bool:
-        """Remove the object; False when it was already gone."""
+        """Remove the object (only ever called for one whose content is a kvdi frame); False when already gone."""
         ...
 
     def close(self) -> None: ...
@@ -94,7 +117,9 @@ class GroupStats:
 
 @dataclass
 class StoreStats:
-    """Objects and bytes in total and per group (fan-out folder or cluster node); ``other``: foreign entries."""
+    """kvdi objects and bytes in total and per group (fan-out folder or cluster node); ``other``: entries of
+    other names; ``foreign``: entries under an object's name that are no kvdi frame (``odd`` of them no plain
+    object at all)."""
 
     kind: str
     where: str
@@ -102,6 +127,7 @@ class StoreStats:
     groups: dict[str, GroupStats]
     other: int
     odd: int
+    foreign: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -110,22 +136,41 @@ class StoreStats:
             **self.total.as_dict(),
             "other_entries": self.other,
             "odd_entries": self.odd,
+            "foreign_entries": self.foreign,
             "groups": {name: g.as_dict() for name, g in sorted(self.groups.items())},
         }
 
 
+def is_frame_header(head: bytes | None) -> bool:
+    """Whether an object's first bytes say it is kvdi's: a whole header opening with the frame magic."""
+    return head is not None and len(head) >= HEADER_SIZE and head[: len(MAGIC)] == MAGIC
+
+
+def headed(admin: StoreAdmin, listing: Sequence[StoreObject]) -> Iterator[tuple[StoreObject, bytes | None]]:
+    """Each listed object with its first :data:`HEADER_SIZE` bytes (``b""`` for odd entries, None: vanished)."""
+    for start in range(0, len(listing), _BATCH):
+        batch = listing[start : start + _BATCH]
+        plain = [obj for obj in batch if obj.odd is None]
+        heads = iter(admin.read_many(plain, 0, HEADER_SIZE) if plain else [])
+        for obj in batch:
+            yield obj, (b"" if obj.odd is not None else next(heads))
+
+
 def store_stats(admin: StoreAdmin) -> StoreStats:
-    """Count every object of the store, in total and per group."""
+    """Count every kvdi object of the store (its header read to tell), in total and per group."""
     total = GroupStats()
     groups: dict[str, GroupStats] = {}
-    odd = 0
-    for obj in admin.objects():
-        if obj.odd is not None:
-            odd += 1
+    odd = foreign = 0
+    for obj, head in headed(admin, list(admin.objects())):
+        if head is None:
+            continue  # vanished
+        if not is_frame_header(head):
+            foreign += 1
+            odd += obj.odd is not None
             continue
         total.add(obj)
         groups.setdefault(obj.group, GroupStats()).add(obj)
-    return StoreStats(admin.kind, admin.where, total, groups, admin.other_entries(), odd)
+    return StoreStats(admin.kind, admin.where, total, groups, admin.other_entries(), odd, foreign)
 
 
 def check_object(data: bytes | None, size: int, key: FrameKey | None, name: str) -> str | None:
@@ -153,6 +198,37 @@ def check_object(data: bytes | None, size: int, key: FrameKey | None, name: str)
     return None
 
 
+def check_streamed(
+    admin: StoreAdmin, obj: StoreObject, head: bytes, key: FrameKey | None, max_object_bytes: int
+) -> str | None:
+    """Why a kvdi object (``head``: its header) is no valid frame, or None; reads at most one frame, in chunks."""
+    if obj.size > max_object_bytes:
+        return "oversize"
+    if not is_key_name(obj.name):
+        return "name"
+    (declared,) = _LENGTH.unpack_from(head, _LENGTH_AT)
+    if obj.size != HEADER_SIZE + declared:
+        return "length"
+    name = bytes.fromhex(obj.name)
+    try:
+        check_header(head, head[8:24], declared, name=name)
+        hasher = PayloadHasher(key)
+        offset = HEADER_SIZE
+        while offset < obj.size:
+            want = min(READ_CHUNK, obj.size - offset)
+            (piece,) = admin.read_many([obj], offset, want)
+            if piece is None:
+                return "vanished"
+            if len(piece) != want:
+                return "length"
+            hasher.update(piece)
+            offset += want
+        hasher.verify(head, head[8:24], declared, name=name)
+    except CorruptObjectError as exc:
+        return exc.reason
+    return None
+
+
 @dataclass
 class BadObject:
     name: str
@@ -165,6 +241,22 @@ class BadObject:
 
 
 @dataclass
+class ForeignObject:
+    """An entry under an object's name whose content is no kvdi frame: reported, never removed."""
+
+    name: str
+    group: str
+    why: str  # "no frame header", or what the entry is (a symlink, a folder, not a string)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "group": self.group, "why": self.why}
+
+
+def _foreign(obj: StoreObject) -> ForeignObject:
+    return ForeignObject(obj.name, obj.group, obj.odd or "no frame header")
+
+
+@dataclass
 class VerifyReport:
     kind: str
     where: str
@@ -172,6 +264,7 @@ class VerifyReport:
     good: int = 0
     bad: list[BadObject] = field(default_factory=list)
     seconds: float = 0.0
+    foreign: list[ForeignObject] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -180,6 +273,7 @@ class VerifyReport:
             "checked": self.checked,
             "good": self.good,
             "bad": [b.as_dict() for b in self.bad],
+            "foreign": [f.as_dict() for f in self.foreign],
             "seconds": round(self.seconds, 3),
         }
 
@@ -191,54 +285,82 @@ def verify_store(
     progress: Callable[[int, int], None] | None = None,
     max_object_bytes: int = MAX_OBJECT_BYTES,
 ) -> VerifyReport:
-    """Read and check every object; with ``drop`` remove the bad ones. ``progress(done, total)`` after each."""
+    """Check every kvdi object (at most one frame read of each); with ``drop`` remove the bad ones. Foreign entries
+    are listed in ``foreign`` and left alone. ``progress(done, total)`` after each."""
     start = time.perf_counter()
     report = VerifyReport(admin.kind, admin.where)
     listing = list(admin.objects())
-    for done, obj in enumerate(listing, 1):
-        if obj.odd is not None:
-            reason: str | None = obj.odd
-        elif obj.size > max_object_bytes:
-            reason = "oversize"
+    for done, (obj, head) in enumerate(headed(admin, listing), 1):
+        if head is not None and not is_frame_header(head):
+            report.foreign.append(_foreign(obj))
         else:
-            reason = check_object(admin.read(obj), obj.size, key, obj.name)
-        report.checked += 1
-        if reason == "vanished":  # removed (evicted, cleared) while we looked: neither good nor bad
-            report.checked -= 1
-        elif reason is None:
-            report.good += 1
-        else:
-            bad = BadObject(obj.name, obj.group, reason)
-            if drop:
-                bad.dropped = admin.remove(obj)
-            report.bad.append(bad)
+            reason = "vanished" if head is None else check_streamed(admin, obj, head, key, max_object_bytes)
+            if reason is None:
+                report.checked += 1
+                report.good += 1
+            elif reason != "vanished":  # removed (evicted, cleared) while we looked: neither good nor bad
+                report.checked += 1
+                bad = BadObject(obj.name, obj.group, reason)
+                if drop:
+                    bad.dropped = admin.remove(obj)
+                report.bad.append(bad)
         if progress is not None:
             progress(done, len(listing))
     report.seconds = time.perf_counter() - start
     return report
 
 
-def clear_store(admin: StoreAdmin, progress: Callable[[int, int], None] | None = None) -> int:
-    """Remove every object (odd entries under object names too); returns how many were removed."""
+@dataclass
+class ClearReport:
+    """What ``clear`` removed (or, in a dry run, would remove) and the foreign entries it left alone."""
+
+    kind: str
+    where: str
+    removed: list[StoreObject] = field(default_factory=list)
+    foreign: list[ForeignObject] = field(default_factory=list)
+    dry_run: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "where": self.where, "foreign": len(self.foreign)}
+        out["would_remove" if self.dry_run else "removed"] = len(self.removed)
+        if self.dry_run:
+            out["objects"] = [{"name": o.name, "group": o.group, "bytes": o.size} for o in self.removed]
+        return out
+
+
+def clear_store(
+    admin: StoreAdmin, progress: Callable[[int, int], None] | None = None, dry_run: bool = False
+) -> ClearReport:
+    """Remove every object whose header says it is kvdi's (checked right before its removal); foreign entries
+    stay. With ``dry_run`` nothing is removed: the report lists what would be."""
+    report = ClearReport(admin.kind, admin.where, dry_run=dry_run)
     listing = list(admin.objects())
-    removed = 0
-    for done, obj in enumerate(listing, 1):
-        removed += admin.remove(obj)
+    for done, (obj, head) in enumerate(headed(admin, listing), 1):
+        if head is not None and not is_frame_header(head):
+            report.foreign.append(_foreign(obj))
+        elif head is not None and (dry_run or admin.remove(obj)):
+            report.removed.append(obj)
         if progress is not None:
             progress(done, len(listing))
-    return removed
+    return report
 
 
 __all__ = [
     "MAX_OBJECT_BYTES",
+    "READ_CHUNK",
     "BadObject",
+    "ClearReport",
+    "ForeignObject",
     "GroupStats",
     "StoreAdmin",
     "StoreObject",
     "StoreStats",
     "VerifyReport",
     "check_object",
+    "check_streamed",
     "clear_store",
+    "headed",
+    "is_frame_header",
     "is_hex",
     "is_key_name",
     "store_stats",

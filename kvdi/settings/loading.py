@@ -148,11 +148,18 @@ def _describe_source_error(exc: ValueError) -> str:
 
 
 def _deepest_env_var() -> str:
-    """The ``KVDI_*`` variable whose value nests brackets deepest (a guess at what overflowed the parser)."""
+    """The ``KVDI_*`` variable (of the environment or the ``.env`` file, shown as ``.env: KEY``) whose value nests
+    brackets deepest: a guess at what overflowed the parser."""
+    candidates = [(key, value) for key, value in os.environ.items() if key.upper().startswith(ENV_PREFIX)]
+    try:
+        from dotenv import dotenv_values
+
+        dotenv = dotenv_values(KvdiSettings.model_config.get("env_file") or ".env")  # type: ignore[arg-type]
+    except Exception:  # no readable .env: the environment's variables are the only candidates
+        dotenv = {}
+    candidates += [(f".env: {key}", value or "") for key, value in dotenv.items() if key.upper().startswith(ENV_PREFIX)]
     best, best_depth = f"a {ENV_PREFIX}* variable", -1
-    for key, value in os.environ.items():
-        if not key.upper().startswith(ENV_PREFIX):
-            continue
+    for key, value in candidates:
         depth = deepest = 0
         for ch in value:
             depth += 1 if ch in "[{" else -1 if ch in "]}" else 0

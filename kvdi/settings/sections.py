@@ -260,7 +260,9 @@ class TransferSettings(_Section):
     answering, instead of letting empty steps spin against the loader; 0 turns it off.
     ``async_load=prefetch`` (vLLM): a lookup's hit is fetched into host staging first (the
     request waits, holding no KV block), then loaded synchronously from there (a copy);
-    ``prefetch_max_bytes`` bounds that staging (past it, hits take the ``auto`` path).
+    ``prefetch_max_bytes`` bounds that staging (past it, hits take the ``auto`` path);
+    ``prefetch_timeout_s`` is each prefetch's deadline: past it the request is told "a miss",
+    its staging is released and it is recomputed (a store that hangs cannot wedge a request).
     ``load_threads``: asynchronous loads that run at once (one request each): while one waits for
     the medium another checks and places its blocks.
     """
@@ -271,6 +273,7 @@ class TransferSettings(_Section):
     max_inflight_bytes: int = Field(256 << 20, gt=0)
     idle_load_wait_ms: float = Field(10.0, ge=0, le=1000)
     prefetch_max_bytes: int = Field(256 << 20, gt=0)
+    prefetch_timeout_s: float = duration_field(10.0, most=600)
     load_threads: int = Field(2, ge=1, le=MAX_LOAD_THREADS)
 
     @field_validator("max_inflight_bytes", "prefetch_max_bytes")

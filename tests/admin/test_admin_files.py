@@ -37,36 +37,42 @@ def env(root: Path) -> dict[str, str]:
     return {"KVDI_KV_CONNECTOR": "shared_storage", "KVDI_SHARED_STORAGE__PATH": str(root)}
 
 
+KVDI_CORRUPT = {n: r for n, r in corruptions().items() if n != "magic"}  # "magic": no frame header, so foreign
+FOREIGN = {key(1001).hex(): "no frame header", key(2000).hex(): "symlink"}
+
+
 def test_stats_counts_objects_bytes_and_folders(store: Path) -> None:
-    """Objects and bytes in total and per fan-out folder; odd entries and temp files are counted apart."""
+    """kvdi objects and bytes in total and per fan-out folder; foreign entries (no frame header, a symlink) and
+    temp files are counted apart."""
     admin = open_admin(load_settings(**{"shared_storage": {"path": store}}))
     try:
         stats = store_stats(admin)
     finally:
         admin.close()
-    sizes = [len(frame(i)) for i in range(GOOD)] + [len(v) for v in corruptions().values()]
+    sizes = [len(frame(i)) for i in range(GOOD)] + [len(v) for v in KVDI_CORRUPT.values()]
     assert stats.total.objects == len(sizes) and stats.total.bytes == sum(sizes)
     assert sum(g.objects for g in stats.groups.values()) == len(sizes)
-    assert set(stats.groups) == {key(i).hex()[:2] for i in [*range(GOOD), 1000, 1001, 1002, 1003]}
-    assert stats.odd == 1 and stats.other == 1
+    assert set(stats.groups) == {key(i).hex()[:2] for i in [*range(GOOD), 1000, 1002, 1003]}
+    assert stats.odd == 1 and stats.other == 1 and stats.foreign == 2
     assert stats.total.oldest is not None and stats.total.oldest <= stats.total.newest  # type: ignore[operator]
 
 
 def test_verify_finds_exactly_the_planted_objects_and_drops_them(store: Path) -> None:
-    """verify names the corrupt objects (with their reasons) and the symlink, nothing else; --drop removes them
-    without following the link; a second verify is clean."""
+    """verify names the corrupt kvdi objects (with their reasons), nothing else; --drop removes them; the
+    foreign entries (no frame header, a symlink) are listed and left alone, the link never followed."""
     admin = open_admin(load_settings(**{"shared_storage": {"path": store}}))
     try:
         report = verify_store(admin, drop=True)
         again = verify_store(admin)
     finally:
         admin.close()
-    expected = {key(1000 + i).hex(): reason for i, reason in enumerate(corruptions())}
-    expected[key(2000).hex()] = "symlink"
+    expected = {key(1000 + i).hex(): reason for i, reason in enumerate(corruptions()) if reason != "magic"}
     assert {b.name: b.reason for b in report.bad} == expected
     assert all(b.dropped for b in report.bad)
     assert report.good == GOOD and report.checked == GOOD + len(expected)
-    assert again.bad == [] and again.good == GOOD
+    assert {f.name: f.why for f in report.foreign} == FOREIGN
+    assert again.bad == [] and again.good == GOOD and len(again.foreign) == 2
+    assert (store / key(2000).hex()[:2] / key(2000).hex()).is_symlink()
     assert (store.parent / "elsewhere").read_bytes() == b"must survive"
 
 
@@ -81,7 +87,9 @@ def test_check_object_accepts_any_layout_and_refuses_a_short_object() -> None:
 def test_clear_removes_objects_and_leaves_other_entries(store: Path) -> None:
     admin = open_admin(load_settings(**{"shared_storage": {"path": store}}))
     try:
-        assert clear_store(admin) == GOOD + len(corruptions()) + 1  # and the symlink
+        report = clear_store(admin)
+        assert len(report.removed) == GOOD + len(KVDI_CORRUPT)
+        assert {f.name for f in report.foreign} == set(FOREIGN)  # left alone
         assert store_stats(admin).total.objects == 0
     finally:
         admin.close()
@@ -95,13 +103,13 @@ def test_cli_stats_json_verify_exit_codes_and_clear(store: Path) -> None:
     stats = kvdi("store", "stats", "--json", env=env(store))
     assert stats.returncode == 0, stats.stderr
     info = json.loads(stats.stdout)
-    assert info["objects"] == GOOD + len(corruptions()) and info["kind"] == "shared_storage"
+    assert info["objects"] == GOOD + len(KVDI_CORRUPT) and info["kind"] == "shared_storage"
     assert info["settings"]["shared_storage"]["path"] == str(store)
     table = kvdi("store", "stats", env=env(store))
-    assert table.returncode == 0 and "total" in table.stdout and str(GOOD + len(corruptions())) in table.stdout
+    assert table.returncode == 0 and "total" in table.stdout and str(GOOD + len(KVDI_CORRUPT)) in table.stdout
     verify = kvdi("store", "verify", env=env(store))
     assert verify.returncode == 1, verify.stderr
-    bad = len(corruptions()) + 1  # and the symlink
+    bad = len(KVDI_CORRUPT)
     assert verify.stdout.count("bad: ") == bad and f"{GOOD} good, {bad} bad" in verify.stdout
     dropped = kvdi("store", "verify", "--drop", "--json", env=env(store))
     assert dropped.returncode == 1 and len(json.loads(dropped.stdout)["bad"]) == bad

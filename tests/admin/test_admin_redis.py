@@ -24,13 +24,14 @@ PREFIX = "fleet:"
 
 
 def _plant(client: redis.Redis) -> dict[str, str]:
-    """Corrupt objects, a hash under an object's name and a foreign key; the expected reasons by name."""
+    """Corrupt objects, a hash under an object's name and a foreign key; the expected reasons by name (the object
+    without the frame magic and the hash are foreign: never counted, never dropped)."""
     expected = {}
     for i, (reason, obj) in enumerate(corruptions().items()):
         client.set(f"{PREFIX}{key(1000 + i).hex()}", obj)
-        expected[key(1000 + i).hex()] = reason
+        if reason != "magic":
+            expected[key(1000 + i).hex()] = reason
     client.hset(f"{PREFIX}{key(2000).hex()}", "x", "y")
-    expected[key(2000).hex()] = "not a string"
     client.set(f"{PREFIX}not-a-block", b"someone else's")
     client.set(f"other:{key(1).hex()}", frame(1))  # another prefix: another store
     return expected
@@ -52,19 +53,24 @@ def _exercise(url: str, cluster: bool, plant_client: redis.Redis | redis.RedisCl
     admin = open_admin(settings)
     try:
         stats = store_stats(admin)
-        sizes = [len(frame(i)) for i in range(GOOD)] + [len(v) for v in corruptions().values()]
+        sizes = [len(frame(i)) for i in range(GOOD)] + [len(v) for r, v in corruptions().items() if r != "magic"]
         assert (stats.total.objects, stats.total.bytes) == (len(sizes), sum(sizes))
         assert len(stats.groups) == groups and all(g.objects for g in stats.groups.values())
-        assert stats.other == 1 and stats.odd == 1
+        assert stats.other == 1 and stats.odd == 1 and stats.foreign == 2
         report = verify_store(admin, drop=True)
         assert {b.name: b.reason for b in report.bad} == expected
         assert report.good == GOOD and all(b.dropped for b in report.bad)
+        assert {f.name: f.why for f in report.foreign} == {
+            key(1001).hex(): "no frame header",
+            key(2000).hex(): "not a string",
+        }
         assert verify_store(admin).bad == []
-        assert clear_store(admin) == GOOD
+        assert len(clear_store(admin).removed) == GOOD
         assert store_stats(admin).total.objects == 0
     finally:
         admin.close()
     assert plant_client.get(f"{PREFIX}not-a-block") == b"someone else's"
+    assert plant_client.exists(f"{PREFIX}{key(1001).hex()}", f"{PREFIX}{key(2000).hex()}") == 2  # foreign: kept
     assert plant_client.get(f"other:{key(1).hex()}") == frame(1)
 
 

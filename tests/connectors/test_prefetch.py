@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvdi.connectors.base import KVRequest, ScheduledRequest, SchedulerOutput, run_transfer_step
+from kvdi.connectors.shared_storage import FileBlockStore
 from kvdi.connectors.store import StoreTransferMetadata
 from kvdi.connectors.store.framing import HEADER_SIZE
+from kvdi.connectors.store.prefetch import REPORT_GRACE_S
 from kvdi.errors import ConfigError
 from kvdi.settings import load_settings
 from tests.helpers.store import DictStore, Engine, make_settings, request, small_layout
@@ -218,4 +222,108 @@ def test_auto_prefetches_from_a_store_that_is_remote_by_measurement(
 def test_prefetch_max_bytes_is_bounded(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVDI_TRANSFER__PREFETCH_MAX_BYTES", value)
     with pytest.raises(ConfigError, match="KVDI_TRANSFER__PREFETCH_MAX_BYTES"):
+        load_settings()
+
+
+class Wedged:
+    """A real store (shared_storage in a temp folder) behind a double that answers ``get_many`` with junk (an
+    entry that is no buffer) or never returns until released: the two ways a store wedged prefetch (issue 28)."""
+
+    def __init__(self, inner: FileBlockStore, mode: str) -> None:
+        self.inner = inner
+        self.mode = mode
+        self.release = threading.Event()
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Any]:
+        if self.mode == "junk":
+            return [object() for _ in keys]
+        if self.mode == "hang":
+            self.release.wait(30)
+        return self.inner.get_many(keys)
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        return self.inner.count_prefix(keys)
+
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[Any]]]) -> int:
+        return self.inner.put_many(items)
+
+    def discard(self, key: bytes) -> None:
+        self.inner.discard(key)
+
+    def close(self) -> None:
+        self.release.set()
+        self.inner.close()
+
+
+@pytest.fixture
+def wedged(tmp_path: Path) -> Iterator[Callable[[str], Wedged]]:
+    made: list[Wedged] = []
+
+    def make(mode: str) -> Wedged:
+        store = Wedged(FileBlockStore(tmp_path / "kv"), "plain")
+        Engine(store, LAYOUT, make_settings(), seed=1).prefill(PROMPT, BLOCKS)  # type: ignore[arg-type]
+        store.mode = mode
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()
+
+
+def test_a_store_answering_junk_to_a_prefetch_is_a_reported_miss(wedged: Callable[[str], Wedged]) -> None:
+    """``get_many`` returns entries that are no buffers: the prefetch is reported (0 staged, a counted load
+    failure), the request computes, its staging is freed when it ends; nothing waits forever."""
+    store = wedged("junk")
+    consumer = Engine(store, LAYOUT, make_settings(transfer={"async_load": "prefetch"}), seed=2)  # type: ignore[arg-type]
+    assert consumer.scheduler.enable_prefetch()
+    assert _admit(consumer) == (None, False)
+    _step(consumer)
+    _wait_reported(consumer)
+    assert _admit(consumer) == (0, False)  # recomputed
+    assert consumer.worker.staging is not None and consumer.worker.staging.failed == 1
+    assert consumer.worker.stats.load_failures == 1
+    consumer.scheduler.request_finished(PROMPT, [])
+    _step(consumer, finished=frozenset({"r"}))
+    assert consumer.worker.staging.held_bytes == 0 and consumer.scheduler.prefetch is not None
+    assert consumer.scheduler.prefetch.reserved == 0
+
+
+def test_a_store_call_that_never_returns_ends_at_the_prefetch_deadline(wedged: Callable[[str], Wedged]) -> None:
+    """``get_many`` hangs: past ``prefetch_timeout_s`` the worker reports a miss and releases the staging; the
+    request computes. The fetch that returns later stages nothing."""
+    store = wedged("hang")
+    settings = make_settings(transfer={"async_load": "prefetch", "prefetch_timeout_s": 0.2})
+    consumer = Engine(store, LAYOUT, settings, seed=2)  # type: ignore[arg-type]
+    assert consumer.scheduler.enable_prefetch()
+    assert _admit(consumer) == (None, False)
+    _step(consumer)
+    _wait_reported(consumer)
+    staging = consumer.worker.staging
+    assert staging is not None and staging.timed_out == 1 and staging.held_bytes == 0 and not staging.requests
+    assert _admit(consumer) == (0, False) and consumer.worker.stats.load_failures == 1
+    store.release.set()
+    staging.wait(5)
+    assert staging.held_bytes == 0 and consumer.worker.prefetch_reports() == []
+
+
+def test_a_prefetch_whose_report_never_comes_takes_the_plain_path(wedged: Callable[[str], Wedged]) -> None:
+    """A scheduler whose worker never reports (a lost report, a wedged worker) stops asking again after the
+    deadline and a grace second: the lookup takes the plain path and the reservation is released."""
+    store = wedged("plain")
+    settings = make_settings(transfer={"async_load": "prefetch", "prefetch_timeout_s": 0.1})
+    consumer = Engine(store, LAYOUT, settings, seed=2)  # type: ignore[arg-type]
+    assert consumer.scheduler.enable_prefetch()
+    assert _admit(consumer) == (None, False)
+    planner = consumer.scheduler.prefetch
+    assert planner is not None and planner.reserved > 0
+    time.sleep(0.1 + REPORT_GRACE_S + 0.1)  # the reports are never relayed
+    n, _ = _admit(consumer)
+    assert n == 16 and planner.overdue == 1 and planner.reserved == 0
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "601", "soon"])
+def test_prefetch_timeout_s_is_bounded(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVDI_TRANSFER__PREFETCH_TIMEOUT_S", value)
+    with pytest.raises(ConfigError, match="KVDI_TRANSFER__PREFETCH_TIMEOUT_S"):
         load_settings()

@@ -65,6 +65,57 @@ def test_check_refuses_a_full_server_that_evicts_nothing(redis_server_factory: o
     assert "does not store objects" in str(info.value) and "OutOfMemoryError" in str(info.value)
 
 
+def _check_on(server: RedisServer, frame_bytes: int) -> str:
+    from kvdi.connectors.redis import RedisBlockStore
+    from kvdi.settings import RedisSettings
+
+    store = RedisBlockStore(RedisSettings(url=server.url, op_timeout_s=2.0), max_object_bytes=frame_bytes)
+    try:
+        return store.check()
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("policy", "frame_bytes", "why"),
+    [("noeviction", 8 << 10, "room for fewer than 256 frames"), ("allkeys-lru", 2 << 20, "smaller than one frame")],
+    ids=["noeviction-1mb", "too-small-for-a-frame"],
+)
+def test_check_refuses_a_server_whose_memory_policy_refuses_kvdis_writes(
+    redis_server_factory: object, policy: str, frame_bytes: int, why: str
+) -> None:
+    """``maxmemory 1mb``: a tiny probe is stored, but under noeviction the server is full within a few frames,
+    and a 2 MiB frame never fits whatever the policy: kvdi check refuses, saying why."""
+    pytest.importorskip("redis")
+    server = redis_server_factory(extra_args=("--maxmemory", "1mb", "--maxmemory-policy", policy))  # type: ignore[operator]
+    with pytest.raises(ConfigError) as info:
+        _check_on(server, frame_bytes)
+    message = str(info.value)
+    assert "KVDI_REDIS__URL" in message and "maxmemory 1048576 B" in message and why in message
+
+
+def test_check_warns_about_noeviction_with_room_to_spare(redis_server_factory: object) -> None:
+    pytest.importorskip("redis")
+    server = redis_server_factory(extra_args=("--maxmemory", "256mb", "--maxmemory-policy", "noeviction"))  # type: ignore[operator]
+    summary = _check_on(server, 8 << 10)
+    assert "probe write and delete succeeded" in summary and "warning" in summary and "noeviction" in summary
+
+
+def test_kvdi_check_refuses_a_1mb_noeviction_redis_in_one_line(redis_server_factory: object) -> None:
+    """The CLI: exit 2, one line naming KVDI_REDIS__URL and the policy."""
+    import subprocess
+    import sys
+
+    server = redis_server_factory(extra_args=("--maxmemory", "1mb", "--maxmemory-policy", "noeviction"))  # type: ignore[operator]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVDI_")}
+    env.update(KVDI_KV_CONNECTOR="redis", KVDI_REDIS__URL=server.url, PYTHONPATH=str(Path(__file__).parents[2]))
+    done = subprocess.run(
+        [sys.executable, "-m", "kvdi.cli", "check"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "KVDI_REDIS__URL" in done.stderr and "noeviction" in done.stderr
+
+
 # -- integrity key files without a secret in them --------------------------------------------------
 
 

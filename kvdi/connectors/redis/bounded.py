@@ -15,16 +15,25 @@ per-layer views), a bulk string of exactly the target's size is read off the soc
 it, with no buffer of its own, and answered by its size (:class:`Placed`); any other length is read into a
 buffer as above, leaving the target untouched.
 
-Only what a ``GET`` / ``GETRANGE`` can answer is understood: a bulk string, a null (``$-1``
-or RESP3 ``_``), an error line (parsed into redis-py's exception classes, so cluster
-redirections stay recognisable) and single-line values of the wrong type; an aggregate
-(``*``, ``%``, ...) is read as a bad object and also ends the batch.
+Every exchange of the Redis stores and of ``kvdi store`` goes through this reader, each with a
+bound fitting the reply it expects (:class:`Bounds`): one frame for reads, a few bytes of value
+and a short line for integer and status replies (``STRLEN``, ``SET``, ``DEL``), a page of names
+for ``SCAN``. The whole exchange (every reply of the batch) must arrive within ``timeout_s``: an
+overall deadline per operation, not per receive, so replies trickled just under a socket timeout
+cannot add up either.
+
+Understood: a bulk string, a null (``$-1`` or RESP3 ``_``), an error line (parsed into
+redis-py's exception classes, so cluster redirections stay recognisable), an integer (an ``int``),
+a status (:class:`Status`), other single-line values (:data:`WRONG_TYPE`) and, where the bounds
+allow items, arrays of those (a ``list``); any other aggregate (``%``, ``~``, ...) or an array
+where none is expected is read as a bad object and ends the batch.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis._parsers.base import BaseParser
@@ -32,6 +41,9 @@ from redis._parsers.base import BaseParser
 MAX_LINE = 64 << 10
 """The longest reply line (a length or an error message) read before the reply counts as oversized."""
 _RECV = 64 << 10
+LATE_S = 0.25
+"""Past an exchange's deadline, replies already received are still read for this long (1 ms per receive at most):
+a cluster batch reads its nodes one after the other, and a node that hung must not fail the ones that answered."""
 
 
 class _Marker:
@@ -52,6 +64,31 @@ class Placed(int):
     """The reply for a value read straight into its target: its size (never what a server's integer reply parses to)."""
 
 
+class Status(str):
+    """A status reply (``+OK``, ``+PONG``): equal to its text, never taken for a value."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What one exchange's replies may hold: ``value`` bytes per bulk string, ``line`` bytes per reply line,
+    ``items`` elements per array (0: no arrays), ``total`` bytes of bulk strings in all (None: ``value`` each)."""
+
+    value: int
+    line: int = MAX_LINE
+    items: int = 0
+    total: int | None = None
+
+
+SMALL = Bounds(value=0, line=1024)
+"""Integer and status replies (``STRLEN``, ``EXISTS``, ``SET``, ``DEL``): no value bytes at all, a short line."""
+INFO = Bounds(value=64 << 10)
+"""``INFO <section>``: one bulk string of a few KiB."""
+SCAN = Bounds(value=4096, line=1024, items=4096, total=4 << 20)
+"""``SCAN``: a cursor and a page of names (``COUNT`` ~1000), each at most 4 KiB, 4 MiB in all."""
+
+
 class CutReplies(Exception):
     """The batch was cut: ``replies`` holds one entry per command (misses after the cut); ``why`` says where."""
 
@@ -66,19 +103,24 @@ class _Garbled(Exception):
 
 
 class _Reader:
-    def __init__(self, sock: Any, bound: int, timeout_s: float) -> None:
+    def __init__(self, sock: Any, bounds: Bounds, timeout_s: float, deadline: float | None) -> None:
         self.sock = sock
-        self.bound = bound
+        self.bound = bounds.value
+        self.bounds = bounds
         self.timeout_s = timeout_s
         self.buf = bytearray()
         self.pos = 0
-        self.deadline = 0.0
+        self.deadline = time.monotonic() + timeout_s if deadline is None else deadline
+        self.budget = bounds.total
 
     def _wait(self) -> None:
         left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"a reply did not arrive whole within {self.timeout_s}s")
-        self.sock.settimeout(min(left, self.timeout_s))
+        if left > 0:
+            self.sock.settimeout(min(left, self.timeout_s))
+        elif left > -LATE_S:  # past the deadline: only bytes already here (a batch's other nodes answered while
+            self.sock.settimeout(0.001)  # one hung), for at most LATE_S more
+        else:
+            raise TimeoutError(f"the replies did not arrive whole within {self.timeout_s}s")
 
     def _more(self) -> None:
         self._wait()
@@ -97,8 +139,8 @@ class _Reader:
                 line = bytes(self.buf[self.pos : end])
                 self.pos = end + 2
                 return line
-            if len(self.buf) - self.pos > MAX_LINE:
-                raise _Cut(OVERSIZED, f"a reply line longer than {MAX_LINE} B")
+            if len(self.buf) - self.pos > self.bounds.line:
+                raise _Cut(OVERSIZED, f"a reply line longer than {self.bounds.line} B")
             self._more()
 
     def exact(self, n: int) -> bytearray:
@@ -128,11 +170,10 @@ class _Reader:
             raise _Garbled("a bulk string not followed by CRLF")
         self.pos += 2
 
-    def reply(self, target: Sequence[memoryview] | None = None) -> object:
-        self.deadline = time.monotonic() + self.timeout_s
+    def reply(self, target: Sequence[memoryview] | None = None, depth: int = 0) -> object:
         line = self.line()
         kind, rest = line[:1], line[1:]
-        if kind == b"$":
+        if kind in (b"$", b"="):  # a bulk string, or RESP3's verbatim string (``txt:`` then the text)
             try:
                 size = int(rest)
             except ValueError:
@@ -143,16 +184,36 @@ class _Reader:
                 raise _Garbled(f"bulk length {size}")
             if size > self.bound:
                 raise _Cut(OVERSIZED, f"a value of {size} B announced, at most {self.bound} B read per object")
-            if target is not None and size and size == sum(v.nbytes for v in target):
+            if self.budget is not None:
+                self.budget -= size
+                if self.budget < 0:
+                    raise _Cut(OVERSIZED, f"values of more than {self.bounds.total} B in one exchange")
+            if kind == b"$" and target is not None and size and size == sum(v.nbytes for v in target):
                 self.into(target)
                 return Placed(size)
-            return self.exact(size)
+            value = self.exact(size)
+            return value if kind == b"$" else value[4:]
         if kind == b"_":
             return None
         if kind == b"-":
             return BaseParser.parse_error(rest.decode("utf-8", "replace"))  # type: ignore[no-untyped-call]
-        if kind in (b":", b"+", b",", b"#", b"("):
+        if kind == b":":
+            try:
+                return int(rest)
+            except ValueError:
+                raise _Garbled(f"integer {rest[:20]!r}") from None
+        if kind == b"+":
+            return Status(rest.decode("utf-8", "replace"))
+        if kind in (b",", b"#", b"("):
             return WRONG_TYPE
+        if kind == b"*" and self.bounds.items and depth < 2:
+            try:
+                count = int(rest)
+            except ValueError:
+                raise _Garbled(f"array length {rest[:20]!r}") from None
+            if count > self.bounds.items:
+                raise _Cut(OVERSIZED, f"an array of {count} items announced, at most {self.bounds.items} read")
+            return None if count < 0 else [self.reply(None, depth + 1) for _ in range(count)]
         raise _Cut(WRONG_TYPE, f"an aggregate or unknown reply type {kind!r}")
 
 
@@ -164,9 +225,15 @@ class _Cut(Exception):
 
 
 def read_replies(
-    sock: Any, count: int, bound: int, timeout_s: float, targets: Sequence[Sequence[memoryview]] | None = None
+    sock: Any,
+    count: int,
+    bound: int | Bounds,
+    timeout_s: float,
+    targets: Sequence[Sequence[memoryview]] | None = None,
+    deadline: float | None = None,
 ) -> list[object]:
-    """``count`` replies read off ``sock`` with at most ``bound`` bytes of value each.
+    """``count`` replies read off ``sock`` with at most ``bound`` bytes of value each (or within ``Bounds``), all
+    of them by ``deadline`` (a ``time.monotonic()`` instant; default: ``timeout_s`` from now).
 
     With ``targets`` (one list of byte views per reply), a value of exactly a target's size is read
     into it and answered by its size (:class:`Placed`); the target may be partly written when the read fails.
@@ -175,7 +242,7 @@ def read_replies(
     when a reply was oversized, of an aggregate type or left bytes behind it: the caller drops the
     connection. Raises ConnectionError / TimeoutError / OSError when the stream broke.
     """
-    reader = _Reader(sock, bound, timeout_s)
+    reader = _Reader(sock, bound if isinstance(bound, Bounds) else Bounds(bound), timeout_s, deadline)
     saved = sock.gettimeout()
     replies: list[object] = []
     try:
@@ -195,4 +262,16 @@ def read_replies(
     return replies
 
 
-__all__ = ["MAX_LINE", "OVERSIZED", "WRONG_TYPE", "CutReplies", "Placed", "read_replies"]
+__all__ = [
+    "INFO",
+    "MAX_LINE",
+    "OVERSIZED",
+    "SCAN",
+    "SMALL",
+    "WRONG_TYPE",
+    "Bounds",
+    "CutReplies",
+    "Placed",
+    "Status",
+    "read_replies",
+]

@@ -34,6 +34,7 @@ from redis.exceptions import SlotNotCoveredError
 from redis.retry import Retry
 
 from kvdi.connectors.logging_once import log_once
+from kvdi.connectors.redis.bounded import Bounds
 from kvdi.connectors.redis.breaker import BreakerOpenError, CircuitBreaker
 from kvdi.connectors.redis.server import (
     Exchange,
@@ -178,7 +179,13 @@ class RedisClusterBlockStore:
         (every master must also store and delete a probe key)."""
         from kvdi.connectors.redis.probe import check_cluster
 
-        return check_cluster(self._connect, self.url, self._prefix)
+        return check_cluster(self._connect, self.url, self._prefix, self._probe, self.max_object_bytes)
+
+    def _probe(self, cluster: RedisCluster, node: Any, commands: Sequence[tuple[bytes, ...]], bounds: Bounds) -> Any:
+        """One bounded exchange with a cluster node for :meth:`check` (replies, or the node's OSError)."""
+        probe = RedisNode(cluster.get_redis_connection(node), f"cluster node {node.name}", self._breaker(), node.name)
+        packed = b"".join(pack_command(*args) for args in commands)
+        return probe.run(Exchange(probe, [packed], len(commands), "check", bounds=bounds)).result
 
     def close(self) -> None:
         """Close every node's connections; the store must not be used afterwards."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
@@ -34,7 +35,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.redis.bounded import CutReplies, read_replies
+from kvdi.connectors.redis.bounded import INFO, SMALL, Bounds, CutReplies, read_replies
 from kvdi.connectors.redis.breaker import BreakerOpenError, CircuitBreaker
 from kvdi.connectors.redis.wire import (
     describe,
@@ -77,9 +78,10 @@ class Exchange:
     chunks: list[Buffer]
     replies: int
     op: str
-    bound: int | None = None  # read replies off the socket, at most this many value bytes each (reads)
+    bounds: Bounds = SMALL  # what each reply may hold (:mod:`.bounded`): small integer / status replies by default
     targets: Sequence[Sequence[memoryview]] | None = None  # where each value of that size is read into (reads)
     result: list[object] | OSError | None = None
+    deadline: float = 0.0  # when the whole exchange (send and every reply) must be done, set by :meth:`RedisNode.send`
     _conn: Any = field(default=None, repr=False)
 
 
@@ -115,6 +117,7 @@ class RedisNode:
             )
             return
         pool: Any = self.client.connection_pool
+        exchange.deadline = time.monotonic() + self._timeout()
         try:
             try:
                 conn = pool.get_connection()
@@ -129,7 +132,7 @@ class RedisNode:
             if type(sock) is socket.socket and hasattr(sock, "sendmsg"):
                 # One gathered syscall for many pieces instead of one sendall each. TLS sockets
                 # (a subclass) and platforms without sendmsg take redis-py's own path.
-                send_gathered(sock, exchange.chunks)
+                send_gathered(sock, exchange.chunks, exchange.deadline)
             else:
                 conn.send_packed_command(exchange.chunks, check_health=False)
         except Exception as exc:
@@ -142,14 +145,12 @@ class RedisNode:
         conn = exchange._conn
         replies: list[object] = []
         try:
-            if exchange.bound is not None and getattr(conn, "_sock", None) is not None:
-                timeout = conn.socket_timeout or 2.0
-                replies = read_replies(conn._sock, exchange.replies, exchange.bound, timeout, exchange.targets)
-            for _ in range(exchange.replies - len(replies)):
-                try:
-                    replies.append(conn.read_response())
-                except redis.ResponseError as exc:  # an error reply for one command (WRONGTYPE, OOM, MOVED...)
-                    replies.append(exc)
+            sock = getattr(conn, "_sock", None)
+            if sock is None:
+                raise ConnectionError("the connection has no socket")
+            replies = read_replies(
+                sock, exchange.replies, exchange.bounds, self._timeout(), exchange.targets, exchange.deadline
+            )
         except CutReplies as cut:  # the server answered, but past what a frame can be: never read on
             self.cut_replies += 1
             log_once(logger, self._logged, "cut", "redis at %s: %s: reply cut, connection dropped (logged once)",
@@ -166,6 +167,10 @@ class RedisNode:
         if self.breaker.record_success():
             logger.info("redis at %s answers again: circuit breaker closed", self.label)
         exchange.result = replies
+
+    def _timeout(self) -> float:
+        """The store's ``op_timeout_s`` (redis-py's socket timeout): the deadline of one whole exchange."""
+        return float(self.client.connection_pool.connection_kwargs.get("socket_timeout") or 2.0)
 
     def _drop(self, exchange: Exchange) -> None:
         """Disconnect and release a connection whose stream is out of step (half sent or half read)."""
@@ -200,6 +205,9 @@ class RedisNode:
         return OSError(f"redis at {self.label}: {op} got an unusable reply ({type(exc).__name__}: {describe(exc)})")
 
 
+UNSIZED_READ_BYTES = 1 << 30  # the bound of a read whose frame size the store was not told
+
+
 def lookup_exchange(node: RedisNode, names: Sequence[bytes]) -> Exchange:
     """``STRLEN`` per name (read replies with :func:`~.wire.present`)."""
     return Exchange(node, [b"".join(pack_command(b"STRLEN", n) for n in names)], len(names), "count_prefix")
@@ -214,12 +222,12 @@ def read_exchange(
     With a limit the replies are read off the socket with a bound of ``limit + 1`` bytes each
     (:mod:`.bounded`), whatever length the server announces, each value of its target's size
     straight into the target."""
-    if limit is None:
+    if limit is None:  # no frame size known: still bounded, by the largest frame any store reads
         packed = b"".join(pack_command(b"GET", n) for n in names)
-        return Exchange(node, [packed], len(names), "get_many")
+        return Exchange(node, [packed], len(names), "get_many", bounds=Bounds(UNSIZED_READ_BYTES))
     end = str(limit).encode()
     packed = b"".join(pack_command(b"GETRANGE", n, b"0", end) for n in names)
-    return Exchange(node, [packed], len(names), "get_many", bound=limit + 1, targets=targets)
+    return Exchange(node, [packed], len(names), "get_many", bounds=Bounds(limit + 1), targets=targets)
 
 
 def write_exchange(
@@ -353,18 +361,18 @@ class RedisBlockStore:
         self._replies(Exchange(self.node, [pack_command(b"DEL", self._name(key))], 1, "discard"))
 
     def check(self) -> str:
-        """Reach the server, make sure it is not a cluster node and stores objects (a probe key written and
-        deleted): a one-line summary, or ConfigError."""
+        """Reach the server: not a cluster node, stores a probe, room for a frame; a summary, or ConfigError."""
         from kvdi.connectors.redis.probe import PROBE_TTL_S, check_single, probe_name
 
-        exchange = self.node.run(Exchange(self.node, [pack_command(b"INFO", b"cluster")], 1, "check"))
+        info = pack_command(b"INFO", b"cluster") + pack_command(b"INFO", b"memory")
+        exchange = self.node.run(Exchange(self.node, [info], 2, "check", bounds=INFO))
 
         def probe() -> list[object] | OSError | None:
             name, ttl = probe_name(self._prefix), str(PROBE_TTL_S).encode()
             packed = pack_command(b"SET", name, b"probe", b"EX", ttl) + pack_command(b"DEL", name)
             return self.node.run(Exchange(self.node, [packed], 2, "check")).result
 
-        return check_single(exchange.result, self.url, probe)
+        return check_single(exchange.result, self.url, probe, self.max_object_bytes)
 
     def close(self) -> None:
         """Close every pooled connection; the store must not be used afterwards."""

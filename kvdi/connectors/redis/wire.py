@@ -9,6 +9,7 @@ type is never trusted, only classified.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Sequence
 
 from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
@@ -81,7 +82,7 @@ def placed_size(reply: object, limit: int | None, pieces: Sequence[memoryview]) 
 
 def written(reply: object) -> bool:
     """Whether a ``SET`` reply says the object was stored (``+OK``; redis-py may have parsed it to True)."""
-    return reply is True or reply in (b"OK", "OK")
+    return reply is True or (isinstance(reply, str | bytes) and reply in (b"OK", "OK"))
 
 
 def pack_sets(prefix: bytes, items: Sequence[tuple[bytes, Sequence[Buffer]]], ttl_s: int | None) -> list[Buffer]:
@@ -107,11 +108,27 @@ def pack_sets(prefix: bytes, items: Sequence[tuple[bytes, Sequence[Buffer]]], tt
     return chunks
 
 
-def send_gathered(sock: socket.socket, chunks: Sequence[Buffer]) -> None:
-    """Send every chunk, in order, with as few ``sendmsg`` calls as the kernel allows (handles partial sends)."""
+def send_gathered(sock: socket.socket, chunks: Sequence[Buffer], deadline: float | None = None) -> None:
+    """Send every chunk, in order, with as few ``sendmsg`` calls as the kernel allows (handles partial sends);
+    all of it by ``deadline`` (a ``time.monotonic()`` instant) when given, else TimeoutError: a server that
+    reads slowly cannot hold a save past its deadline one accepted byte at a time."""
     views = [memoryview(c) for c in chunks]  # byte views (see _byte_view): slicing counts bytes
+    saved = sock.gettimeout()
+    try:
+        _send_views(sock, views, deadline, saved)
+    finally:
+        if deadline is not None:
+            sock.settimeout(saved)
+
+
+def _send_views(sock: socket.socket, views: list[memoryview], deadline: float | None, timeout: float | None) -> None:
     i = 0
     while i < len(views):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request was not sent whole within the operation's deadline")
+            sock.settimeout(left if timeout is None else min(left, timeout))
         sent = sock.sendmsg(views[i : i + _IOV_BATCH])
         while sent and i < len(views):
             size = views[i].nbytes

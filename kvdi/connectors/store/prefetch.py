@@ -13,6 +13,14 @@ Both sides bound the staging by ``transfer.prefetch_max_bytes``: past it the sch
 plain path (a load from the store) and the worker refuses (reports 0 blocks: a miss). A request
 that finishes or is aborted before its load frees its staging (``prefetch_drops``); a load frees
 what it read and the rest of its request's staging.
+
+A prefetch cannot wedge its request: whatever its store call does (raises, returns junk such as
+an entry that is no buffer, never returns), the worker reports it. Every failure is a report of
+the objects staged before it (0: a miss, counted in ``load_failures``); a fetch still running
+``transfer.prefetch_timeout_s`` after it was asked for is reported as a miss and its staging
+released (the thread, if the store hangs for good, ends with the store's own timeout, its
+result discarded), and the scheduler side gives a prefetch that was never reported one second
+more, then takes the plain path and releases its reservation.
 """
 
 from __future__ import annotations
@@ -46,19 +54,27 @@ class _Planned:
     keys: tuple[bytes, ...]
     nbytes: int
     ready: int | None = None  # leading objects staged, once reported
+    started: float = field(default_factory=time.monotonic)
+
+
+REPORT_GRACE_S = 1.0
+"""How much longer than the worker's deadline the scheduler side waits for a prefetch's report."""
 
 
 class PrefetchPlanner:
     """Scheduler side: which requests' hits are being prefetched, and the bytes reserved for them."""
 
-    def __init__(self, max_bytes: int, frame_bytes: int) -> None:
+    def __init__(self, max_bytes: int, frame_bytes: int, timeout_s: float = 10.0) -> None:
         self.max_bytes = max_bytes
         self.frame_bytes = frame_bytes
+        self.timeout_s = timeout_s
         self.reserved = 0
         self._planned: dict[str, _Planned] = {}
         self._send: list[BlockTransfer] = []
         self._drops: list[str] = []
+        self._plain: set[str] = set()  # requests whose prefetch was overdue
         self.fallbacks = 0  # hits past the bound: loaded the plain way
+        self.overdue = 0  # prefetches never reported within timeout_s + REPORT_GRACE_S: the plain path
 
     def ready(self, request_id: str, first: int) -> int | None:
         """For a request whose lookup starts at block ``first``: ``None`` (ask again) while its prefetch runs;
@@ -68,7 +84,12 @@ class PrefetchPlanner:
         if planned is None:
             return -1
         if planned.ready is None:
-            return ASK_AGAIN
+            if time.monotonic() - planned.started <= self.timeout_s + REPORT_GRACE_S:
+                return ASK_AGAIN
+            self.overdue += 1  # the report never came (a wedged worker): never wait for it forever
+            self.release(request_id)
+            self._plain.add(request_id)  # and never prefetch for it again: its lookups take the plain path
+            return -1
         end = planned.first + planned.ready
         if first < planned.first or first > end:
             self.release(request_id)
@@ -78,7 +99,7 @@ class PrefetchPlanner:
     def start(self, request_id: str, first: int, keys: Sequence[bytes]) -> bool:
         """Plan the prefetch of a hit of ``keys`` from block ``first``; False past the bound (the plain path)."""
         nbytes = len(keys) * self.frame_bytes
-        if not keys or self.reserved + nbytes > self.max_bytes:
+        if not keys or self.reserved + nbytes > self.max_bytes or request_id in self._plain:
             self.fallbacks += 1
             return False
         self._planned[request_id] = _Planned(first, tuple(keys), nbytes)
@@ -94,6 +115,7 @@ class PrefetchPlanner:
 
     def release(self, request_id: str) -> None:
         """The request ended (or its prefetch is of no use): the worker drops its staging."""
+        self._plain.discard(request_id)
         planned = self._planned.pop(request_id, None)
         if planned is not None:
             self.reserved -= planned.nbytes
@@ -124,13 +146,17 @@ class _Staged:
     objects: dict[bytes, Buffer] = field(default_factory=dict)
     future: Future[int] | None = None
     dropped: bool = False
+    started: float = field(default_factory=time.monotonic)
 
 
 class HostStaging:
     """Worker side: prefetched framed objects in host memory, by request, at most ``max_bytes`` in all."""
 
-    def __init__(self, store: BlockStore, max_bytes: int, frame_bytes: int, name: str, threads: int = 2) -> None:
+    def __init__(
+        self, store: BlockStore, max_bytes: int, frame_bytes: int, name: str, threads: int = 2, timeout_s: float = 10.0
+    ) -> None:
         self.store = store
+        self.timeout_s = timeout_s
         self.max_bytes = max_bytes
         self.frame_bytes = frame_bytes
         self.name = name
@@ -141,6 +167,7 @@ class HostStaging:
         self._reports: list[tuple[str, int]] = []
         self.refused = 0  # prefetches past the bound: reported as misses
         self.failed = 0  # prefetches the store failed: reported as misses, counted as load failures
+        self.timed_out = 0  # prefetches still running after timeout_s: reported as misses, staging released
         self._failed_counted = 0
 
     @classmethod
@@ -148,7 +175,9 @@ class HostStaging:
         """The staging of a worker half under ``transfer.async_load=prefetch`` or ``auto``; None otherwise (it holds
         nothing and starts no thread until the scheduler half sends a prefetch)."""
         on = transfer.async_load in ("prefetch", "auto")  # auto: the scheduler half decides (its lookup round trip)
-        return cls(store, transfer.prefetch_max_bytes, frame_bytes, name) if on else None
+        if not on:
+            return None
+        return cls(store, transfer.prefetch_max_bytes, frame_bytes, name, timeout_s=transfer.prefetch_timeout_s)
 
     @property
     def held_bytes(self) -> int:
@@ -187,33 +216,52 @@ class HostStaging:
         staged.future = self._pool.submit(self._fetch, request_id, staged, tuple(keys))
 
     def _fetch(self, request_id: str, staged: _Staged, keys: tuple[bytes, ...]) -> int:
-        """Background: the leading present objects of ``keys`` (one store call), staged; how many."""
+        """Background: the leading present objects of ``keys`` (one store call), staged; how many. Always reports
+        (unless dropped or timed out meanwhile): a store that raises or answers junk is a miss from that entry on."""
+        count, failure = 0, None
         try:
             objects = self.store.get_many(keys)
             if not isinstance(objects, list) or len(objects) != len(keys):
                 raise TypeError(f"get_many returned {type(objects).__name__} for {len(keys)} keys")
-        except Exception as exc:  # the medium failed: a miss, recomputed
-            with self._lock:
-                self.failed += 1
-            logger.warning("kv connector %r: prefetch of %d blocks failed, recomputing: %r", self.name, len(keys), exc)
-            objects = []
-        count = 0
-        with self._lock:
-            for key, obj in zip(keys, objects, strict=False):
-                if obj is None or memoryview(obj).nbytes > self.frame_bytes:
-                    break  # a gap or an odd object ends the hit; the load verifies the rest
+            for key, obj in zip(keys, objects, strict=True):
+                if obj is None:
+                    break  # a gap ends the hit
+                if not isinstance(obj, bytes | bytearray | memoryview):
+                    raise TypeError(f"get_many returned an entry of type {type(obj).__name__}")
+                if memoryview(obj).nbytes > self.frame_bytes:
+                    break  # an odd object ends the hit; the load verifies the rest
                 staged.objects[key] = obj
                 count += 1
+        except Exception as exc:  # the medium failed, or answered junk: a miss from here, recomputed
+            failure = exc
+        with self._lock:
+            if failure is not None:
+                self.failed += 1
             if staged.dropped:
                 staged.objects.clear()
             else:
                 self._reports.append((request_id, count))
+        if failure is not None:
+            logger.warning("kv connector %r: prefetch of %d blocks failed after %d, recomputing: %r", self.name,
+                           len(keys), count, failure)  # fmt: skip
         return count
 
     def reports(self) -> tuple[list[tuple[str, int]], int]:
         """Prefetches finished since the last call, ``(request, leading objects staged)``, and how many of them
-        the store failed (for the worker half's ``load_failures``)."""
+        the store failed (for the worker half's ``load_failures``). A prefetch running past ``timeout_s`` is
+        reported here as a miss (0) and its staging released."""
+        now = time.monotonic()
         with self._lock:
+            for request_id, staged in list(self._staged.items()):
+                if staged.future is not None and not staged.future.done() and now - staged.started > self.timeout_s:
+                    del self._staged[request_id]
+                    staged.dropped = True  # the fetch, if it ever returns, stages and reports nothing
+                    staged.objects.clear()
+                    self.timed_out += 1
+                    self.failed += 1
+                    self._reports.append((request_id, 0))
+                    logger.warning("kv connector %r: prefetch for request %r still running after %ss: recomputing",
+                                   self.name, request_id, self.timeout_s)  # fmt: skip
             out, self._reports = self._reports, []
             failed, self._failed_counted = self.failed - self._failed_counted, self.failed
         return out, failed

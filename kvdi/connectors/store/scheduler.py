@@ -76,7 +76,7 @@ class StoreSchedulerConnector(SchedulerConnector):
         mode = self._transfer.async_load
         if self.prefetch is None and (mode == "prefetch" or (mode == "auto" and self._remote())):
             frame = self._block_bytes + HEADER_SIZE
-            self.prefetch = PrefetchPlanner(self._transfer.prefetch_max_bytes, frame)
+            self.prefetch = PrefetchPlanner(self._transfer.prefetch_max_bytes, frame, self._transfer.prefetch_timeout_s)
         return self.prefetch is not None
 
     def _remote(self) -> bool:

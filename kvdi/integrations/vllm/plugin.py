@@ -7,22 +7,52 @@ kvdi child's stats by its registered name (``KVConnectorFactory.get_connector_cl
 
 Registration is lazy (vLLM imports :mod:`kvdi.integrations.vllm.connector` only when a
 connector is built) and idempotent: vLLM may load plugins several times per process.
-Setting ``VLLM_PLUGINS`` to a list without ``kvdi`` turns the plugin off.
+Setting ``VLLM_PLUGINS`` to a list without ``kvdi`` turns the plugin off. When another plugin
+registered the name ``KvdiConnector`` first, kvdi leaves it (vLLM refuses a second
+registration) and logs one warning line naming what holds the name and how to reach kvdi's.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
+from typing import Any
+
 CONNECTOR_NAME = "KvdiConnector"
 CONNECTOR_MODULE = "kvdi.integrations.vllm.connector"
 
+logger = logging.getLogger(__name__)
+
 
 def register() -> None:
-    """Register ``KvdiConnector`` with vLLM's ``KVConnectorFactory`` unless a connector of that name exists."""
+    """Register ``KvdiConnector`` with vLLM's ``KVConnectorFactory`` unless a connector of that name exists
+    (someone else's: one warning line naming it)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if is_registered():
+        holder = registered_as(getattr(KVConnectorFactory, "_registry", {}).get(CONNECTOR_NAME))
+        if holder != f"{CONNECTOR_MODULE}:{CONNECTOR_NAME}":
+            logger.warning(
+                "vLLM's connector name %r is already registered by %s, not kvdi: kvdi's plugin leaves it; "
+                'to use kvdi\'s, add "kv_connector_module_path": %r to --kv-transfer-config',
+                CONNECTOR_NAME,
+                holder,
+                CONNECTOR_MODULE,
+            )
         return
     KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+
+
+def registered_as(loader: Any) -> str:
+    """``module:Class`` a vLLM factory loader imports (read from its closure), or a description of it."""
+    try:
+        names = inspect.getclosurevars(loader).nonlocals
+    except TypeError:
+        names = {}
+    module, cls = names.get("module_path"), names.get("class_name")
+    if isinstance(module, str) and isinstance(cls, str):
+        return f"{module}:{cls}"
+    return f"an unknown loader {getattr(loader, '__qualname__', type(loader).__name__)!r}"
 
 
 def is_registered() -> bool:
@@ -32,4 +62,4 @@ def is_registered() -> bool:
     return CONNECTOR_NAME in getattr(KVConnectorFactory, "_registry", {})
 
 
-__all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "is_registered", "register"]
+__all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "is_registered", "register", "registered_as"]

@@ -12,7 +12,15 @@ import pytest
 
 from kvdi.errors import ConfigError
 from kvdi.integrations.vllm.config import model_identity
-from kvdi.integrations.vllm.weights import SAMPLE_BYTES, SAMPLES, weights_digest, weights_identity
+from kvdi.integrations.vllm.weights import (
+    FULL_HASH_BYTES,
+    METADATA_MAX_BYTES,
+    SAMPLE_BYTES,
+    SAMPLES,
+    sample_count,
+    weights_digest,
+    weights_identity,
+)
 
 
 @pytest.fixture
@@ -63,8 +71,8 @@ def test_a_changed_config_changes_the_identity(weights: Path) -> None:
     assert weights_identity(str(weights)) != before
 
 
-def test_the_digest_reads_a_bounded_sample_of_each_file(weights: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """However large the shards, at most SAMPLES * SAMPLE_BYTES bytes of each are read."""
+def counting_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every ``read`` of a file opened through ``Path.open`` from now on, by its byte count."""
     read: list[int] = []
     real_open = Path.open
 
@@ -81,8 +89,32 @@ def test_the_digest_reads_a_bounded_sample_of_each_file(weights: Path, monkeypat
         return stream
 
     monkeypatch.setattr(Path, "open", counting_open)
-    assert weights_digest(weights)
-    assert sum(read) <= 2 * SAMPLES * SAMPLE_BYTES + len((weights / "config.json").read_bytes())
+    return read
+
+
+def sparse(path: Path, size: int, at: int | None = None, byte: bytes = b"\1") -> Path:
+    """A sparse file of ``size`` zero bytes (no disk used), with ``byte`` written at ``at``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as out:
+        out.truncate(size)
+        if at is not None:
+            out.seek(at)
+            out.write(byte)
+    return path
+
+
+def test_the_digest_reads_a_bounded_sample_of_each_large_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """However large the shards, at most sample_count(size) * SAMPLE_BYTES bytes of each are read (more samples
+    for larger files); the config is read whole (it is small)."""
+    folder = tmp_path / "big"
+    sizes = (200 << 20, 2 << 30)
+    for i, size in enumerate(sizes):
+        sparse(folder / f"model-0000{i}.safetensors", size)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    read = counting_reads(monkeypatch)
+    assert weights_digest(folder)
+    assert sample_count(sizes[1]) > sample_count(sizes[0]) > SAMPLES
+    assert sum(read) <= sum(sample_count(s) for s in sizes) * SAMPLE_BYTES + len('{"model_type": "llama"}')
 
 
 def test_a_hub_id_that_is_not_local_keeps_its_name_and_revision(
@@ -108,3 +140,88 @@ def test_model_revision_from_env_and_its_bounds(weights: Path, kvdi_env: Path, m
     assert model_identity(_vllm_config(weights, {})) == "revision:v7"
     with pytest.raises(ConfigError, match="model_revision"):
         model_identity(_vllm_config(weights, {"kvdi.model_revision": "x" * 300}))
+
+
+# -- issue 28, item 5: never a silent fallback to the path ----------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["tensorizer", "sub-folder"])
+def test_weights_the_old_suffix_list_missed_are_found_and_swapping_them_changes_the_identity(
+    tmp_path: Path, layout: str
+) -> None:
+    """tensorizer's ``model.tensors`` at the top, or safetensors in a sub-folder: a content identity (never the
+    path), and new bytes copied in place change it."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    shard = folder / ("model.tensors" if layout == "tensorizer" else "weights/model-00001.safetensors")
+    shard.parent.mkdir(exist_ok=True)
+    shard.write_bytes(os.urandom(1 << 20))
+    before = weights_identity(str(folder))
+    assert before.startswith("weights:") and str(folder) not in before
+    shard.write_bytes(os.urandom(1 << 20))
+    assert weights_identity(str(folder)) != before
+
+
+def test_a_folder_with_no_weights_kvdi_recognises_requires_model_revision(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only a config and a tokenizer (the weights elsewhere): refused with a message naming kvdi.model_revision
+    (and logged); with the revision set the operator's word is the identity."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match="kvdi.model_revision") as info:
+        weights_identity(str(folder))
+    assert "KVDI_MODEL_REVISION" in str(info.value)
+    assert any("no weight files" in r.getMessage() for r in caplog.records)
+    assert weights_identity(str(folder), override="v3") == "revision:v3"
+
+
+def test_two_64_mib_files_that_differ_only_between_the_old_samples_differ(tmp_path: Path) -> None:
+    """Files up to FULL_HASH_BYTES are hashed whole: one byte changed where 16 evenly spaced samples never
+    look gives another identity."""
+    size = FULL_HASH_BYTES
+    between = (size - SAMPLE_BYTES) // 15 // 2  # halfway between the first and the second old sample
+    a = sparse(tmp_path / "a" / "model.safetensors", size)
+    b = sparse(tmp_path / "b" / "model.safetensors", size, at=between)
+    assert weights_digest(a.parent) != weights_digest(b.parent)
+
+
+def test_a_symlink_out_of_the_model_folder_is_not_followed(tmp_path: Path) -> None:
+    """Weights that are only a symlink to a file outside the folder count as nothing (refused); a symlink to a
+    file inside the folder is hashed as that file."""
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(os.urandom(4096))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").symlink_to(outside)
+    with pytest.raises(ConfigError):
+        weights_identity(str(folder))
+    (folder / "model.safetensors").unlink()
+    (folder / "real.bin").write_bytes(os.urandom(4096))
+    (folder / "model.safetensors").symlink_to(folder / "real.bin")
+    assert weights_identity(str(folder)).startswith("weights:")
+
+
+def test_a_hugging_face_snapshot_follows_its_links_into_the_repository_blobs(tmp_path: Path) -> None:
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc123").write_bytes(os.urandom(4096))
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").symlink_to("../../blobs/abc123")
+    assert weights_identity(str(snapshot)).startswith("weights:")
+
+
+def test_a_huge_config_is_read_with_a_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 300 MB config.json is sampled like a weight file, never read whole."""
+    folder = tmp_path / "model"
+    (folder).mkdir()
+    (folder / "model.safetensors").write_bytes(os.urandom(4096))
+    sparse(folder / "config.json", 300 * 10**6)
+    read = counting_reads(monkeypatch)
+    assert weights_identity(str(folder)).startswith("weights:")
+    assert sum(read) <= sample_count(300 * 10**6) * SAMPLE_BYTES + 4096
+    assert METADATA_MAX_BYTES < 300 * 10**6
