@@ -34,7 +34,6 @@ import stat
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -96,11 +95,15 @@ class FileBlockStore:
         self._lock = threading.Lock()
         self._logged: set[str] = set()
         self._approx_bytes = 0
-        self.evicted_keys: deque[bytes] | None = None  # set by the vLLM adapter for KV cache events
+        self._evicted: Callable[[bytes], None] | None = None  # the eviction watcher (KV cache events)
         self._anonymous = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
         if max_bytes:
             with contextlib.suppress(OSError):
                 self._approx_bytes = self.scan()[1]
+
+    def watch_evictions(self, evicted: Callable[[bytes], None]) -> None:
+        """:class:`~kvdi.connectors.store.EvictingStore`: ``evicted(key)`` for each object the size cap removes."""
+        self._evicted = evicted
 
     def path_for(self, key: bytes) -> Path:
         """Where the object of ``key`` lives."""
@@ -349,9 +352,9 @@ class FileBlockStore:
                     except OSError:
                         break  # read-only store: nothing more to do
                     freed += size
-                    if self.evicted_keys is not None and len(name) == 32:
+                    if self._evicted is not None and len(name) == 32:
                         with contextlib.suppress(ValueError):
-                            self.evicted_keys.append(bytes.fromhex(name))
+                            self._evicted(bytes.fromhex(name))
             self._approx_bytes = total - freed
             return freed
 

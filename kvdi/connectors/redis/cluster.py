@@ -34,7 +34,7 @@ from redis.exceptions import SlotNotCoveredError
 from redis.retry import Retry
 
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.redis.breaker import BreakerOpenError, CircuitBreaker
+from kvdi.connectors.redis.breaker import BreakerOpenError, BreakerState, CircuitBreaker
 from kvdi.connectors.redis.server import (
     Exchange,
     RedisNode,
@@ -105,6 +105,10 @@ class RedisClusterBlockStore:
     def breakers(self) -> dict[str, CircuitBreaker]:
         """The breaker of every node called so far, by ``host:port``."""
         return {name: node.breaker for name, node in self._nodes.items()}
+
+    def health(self) -> dict[str, bool]:
+        """:class:`~kvdi.connectors.store.HealthStore`: each node called so far, False while its breaker is open."""
+        return {name: breaker.state is not BreakerState.OPEN for name, breaker in self.breakers.items()}
 
     # BlockStore protocol
 

@@ -103,7 +103,7 @@ class StoreSchedulerConnector(SchedulerConnector):
             return mode == "on"  # prefetch without a host that relays its reports, or past its bound: auto
         return prefers_async_load(self.store) or num_blocks * self._block_bytes >= ASYNC_LOAD_MIN_BYTES
 
-    def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens to load beyond ``num_computed_tokens`` and whether the load is asynchronous; with prefetch,
         ``(None, False)`` (ask again) while the hit is fetched into host staging, then a synchronous load
         of exactly the blocks that arrived (no second lookup in the store)."""
@@ -111,7 +111,7 @@ class StoreSchedulerConnector(SchedulerConnector):
             first = num_computed_tokens // self._block_size
             ready = self.prefetch.ready(request.request_id, first)
             if ready is ASK_AGAIN:
-                return None, False  # type: ignore[return-value]  # vLLM's "ask again": the request waits a step
+                return None, False  # "ask again": the request waits a step
             if ready >= 0:
                 plan = self._plan(request)
                 plan.load_accepted, plan.load_async = False, False
@@ -122,7 +122,7 @@ class StoreSchedulerConnector(SchedulerConnector):
             plan = self._plans[request.request_id]
             if self.prefetch.start(request.request_id, plan.load_start, plan.keys[plan.load_start : plan.load_end]):
                 plan.load_start = plan.load_end = 0
-                return None, False  # type: ignore[return-value]
+                return None, False
         return n, load_async
 
     def _lookup(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool]:

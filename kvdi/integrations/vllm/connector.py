@@ -1,33 +1,29 @@
 """:class:`KvdiConnector`: vLLM's ``KVConnectorBase_V1`` over kvdi's connector halves (imports vLLM).
 
-vLLM instantiates it once per role (``cls(vllm_config, role, kv_cache_config)``). On
-construction it builds kvdi's settings from the ``kvdi.``-prefixed keys of
-``kv_connector_extra_config`` layered over ``KVDI_*`` env (:mod:`.config`), takes
-``kv_role`` and ``engine_id`` from vLLM, derives the :class:`KVCacheSpec` from vLLM's model
-and cache config (:mod:`.layout`), and builds kvdi's scheduler or worker half from one
-container per engine id per process (:mod:`.shared`). Every vLLM call is translated to
-kvdi's contract (:mod:`kvdi.connectors.base`).
+vLLM instantiates it once per role (``cls(vllm_config, role, kv_cache_config)``). On construction it builds kvdi's
+settings from the ``kvdi.``-prefixed keys of ``kv_connector_extra_config`` layered over ``KVDI_*`` env
+(:mod:`.config`), takes ``kv_role`` and ``engine_id`` from vLLM, derives the :class:`KVCacheSpec` from vLLM's model
+and cache config (:mod:`.layout`), and builds kvdi's scheduler or worker half from one container per engine id per
+process (:mod:`.shared`). Every vLLM call is translated to kvdi's contract (:mod:`kvdi.connectors.base`).
 
-Failed loads go out through ``get_block_ids_with_load_errors`` and vLLM's own
-``kv_load_failure_policy`` decides between recomputing and failing the request (kvdi's
-half always reports instead of raising). Counters go out through
-``get_kv_connector_stats`` (deltas per step, keyed by the registered connector name, None
-when nothing moved) and, when ``kv_connector_extra_config["kvdi_stats_dir"]`` is set, as
-cumulative JSON files (:mod:`.stats`).
+Failed loads go out through ``get_block_ids_with_load_errors`` and vLLM's own ``kv_load_failure_policy`` decides
+between recomputing and failing the request (kvdi's half always reports instead of raising). Counters go out
+through ``get_kv_connector_stats`` (deltas per step, keyed by the registered connector name, None when nothing
+moved) and, when ``kv_connector_extra_config["kvdi_stats_dir"]`` is set, as cumulative JSON files (:mod:`.stats`).
 
-When a connector's blocks live in the worker's memory (:attr:`~kvdi.registry.ConnectorSpec.process_local`)
-and vLLM runs the scheduler in another process, the scheduler half looks blocks up in a :class:`BlockIndex`
-that the worker keeps current through vLLM's worker-to-scheduler metadata, bounded by the backend's capacity.
-Under tensor or pipeline parallelism each worker rank stores and loads its own slice of every block under its
-own key, and the scheduler offers a block only when every rank's slice is stored (:mod:`.parallel`).
+When a connector's blocks live in the worker's memory (:attr:`~kvdi.registry.ConnectorSpec.process_local`) and vLLM
+runs the scheduler in another process, the scheduler half looks blocks up in a :class:`BlockIndex` that the worker
+keeps current through vLLM's worker-to-scheduler metadata, bounded by the backend's capacity. Under tensor or
+pipeline parallelism each worker rank stores and loads its own slice of every block under its own key, and the
+scheduler offers a block only when every rank's slice is stored (:mod:`.parallel`).
 
 Asynchronous loads are reported in the step they finish in, a request ended while parked is freed once
 (:mod:`.async_loads`); hits may be prefetched at lookup (:mod:`.prefetch`); vLLM's scheduler sees held saves
 (:mod:`.pending`); ``handle_preemptions`` flushes preempted requests' transfers before their blocks are reused.
 
-With vLLM's hybrid KV cache manager (``SupportsHMA``) a model may have several KV cache
-groups (sliding window, Mamba beside full attention): each group is planned, keyed and
-stored on its own, and failed loads go out per request (:mod:`.groups`, :mod:`.hybrid`).
+With vLLM's hybrid KV cache manager (``SupportsHMA``) a model may have several KV cache groups (sliding window,
+Mamba beside full attention): each group is planned, keyed and stored on its own, and failed loads go out per
+request (:mod:`.groups`, :mod:`.hybrid`).
 """
 
 from __future__ import annotations
@@ -47,7 +43,13 @@ try:
 except ImportError as exc:  # only vLLM loads this module; say what to install if someone else does
     raise ImportError(f"kvdi.integrations.vllm needs vLLM ({exc}); install it with: pip install 'kvdi[vllm]'") from exc
 
-from kvdi.connectors.base import BlockTransferMetadata, SchedulerConnector, WorkerConnector
+from kvdi.connectors.base import (
+    AsyncLoadMetadata,
+    BlockTransferMetadata,
+    PreemptionAware,
+    SchedulerConnector,
+    WorkerConnector,
+)
 from kvdi.errors import ConfigError, KvdiError, KVLoadError
 from kvdi.integrations.vllm.async_loads import SchedulerLoads, WorkerLoads
 from kvdi.integrations.vllm.block_index import BlockIndex
@@ -262,7 +264,7 @@ class KvdiConnector(FleetHooks, PendingWorkHooks, PrefetchHooks, KVConnectorBase
         if isinstance(inner, BlockTransferMetadata):
             self._step_meta = inner
             self._saves_due = bool(inner.saves)
-            for t in getattr(inner, "async_loads", ()):  # store and p2p metadata: loads that end in a later step
+            for t in inner.async_loads if isinstance(inner, AsyncLoadMetadata) else ():  # end in a later step
                 self._async.started(t.request_id, t.block_ids, t.block_keys)
             # Async loads start here and finish in a later step's start_load_kv: call it until reported.
             self._loads_due = bool(inner.loads) or bool(self._async.loading)
@@ -284,9 +286,8 @@ class KvdiConnector(FleetHooks, PendingWorkHooks, PrefetchHooks, KVConnectorBase
         if self._worker is None or not isinstance(kv_connector_metadata, KvdiConnectorMetadata):
             return
         preempted = kv_connector_metadata.preempted
-        flush = getattr(self._worker, "handle_preemptions", None)
-        if preempted and callable(flush):
-            flush(preempted)
+        if preempted and isinstance(self._worker, PreemptionAware):
+            self._worker.handle_preemptions(preempted)
             self.counts.preempted_flushed += len(preempted)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -371,9 +372,7 @@ class KvdiConnector(FleetHooks, PendingWorkHooks, PrefetchHooks, KVConnectorBase
         from kvdi.integrations.vllm.prom import step_stats
 
         delta, extra = self._reporter.delta(), self._counts_reporter.delta()
-        stats = step_stats(
-            self.half.name, delta, extra, self._fleet.entry({**(delta or {}), **(extra or {})}, self.half)
-        )
+        stats = step_stats(self.half.name, delta, extra, self._fleet.entry({**(delta or {}), **(extra or {})}))
         if stats is not None and self._stats_dir and (delta or extra):
             self._write_stats()
         return stats

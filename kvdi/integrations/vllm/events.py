@@ -48,17 +48,25 @@ from vllm.distributed.kv_events import (
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvdi.connectors.base import BlockTransferMetadata, KVRequest
+from kvdi.connectors.base import (
+    REMOTE_HIT_SOURCE,
+    BlockEventSource,
+    BlockTransferMetadata,
+    DeclaresHitSource,
+    KVRequest,
+    StoreHalf,
+)
 from kvdi.connectors.store.keys import block_keys
-from kvdi.integrations.vllm.event_ledger import BlockFacts, SchedulerLedger, WorkerLedger, drain, sink, store_tiers
+from kvdi.connectors.store.protocol import BlockStore, StoreCapabilities, leaf_stores
+from kvdi.integrations.vllm.event_ledger import BlockFacts, SchedulerLedger, WorkerLedger, drain, sink
 from kvdi.integrations.vllm.fleet_stats import FleetCounters
 
 _TRANSPORT_SIZE = -1  # block_size of worker-to-scheduler events: a kvdi key, not yet an event for routers
 
 
 def tier_of(store: object) -> tuple[str, str, str]:
-    """(hit source, medium, locality) of one store: its ``hit_source`` attribute, a remote store by default."""
-    source = str(getattr(store, "hit_source", CacheHitSource.EXTERNAL_UNSPECIFIED.value))
+    """(hit source, medium, locality) of one store: its declared ``hit_source``, a remote store by default."""
+    source = StoreCapabilities.of(store).hit_source
     if source == CacheHitSource.HOST.value:
         return source, MEDIUM_CPU, "LOCAL"
     return source, MEDIUM_STORAGE, "REMOTE"
@@ -100,7 +108,8 @@ class FleetHooks:
     def _fleet_setup(self, vllm_config: Any, worker: bool) -> None:
         events_config = getattr(vllm_config, "kv_events_config", None)
         self._events_on = bool(events_config is not None and events_config.enable_kv_cache_events)
-        self._fleet = FleetCounters("worker" if worker else "scheduler", f"{self._shape.tp_rank}-{self._shape.pp_rank}")
+        rank = f"{self._shape.tp_rank}-{self._shape.pp_rank}"
+        self._fleet = FleetCounters("worker" if worker else "scheduler", rank, self.half)
         self._out: list[KVCacheEvent] = []
         self._resets = 0
         self._vllm_requests: dict[str, Any] = {}
@@ -108,13 +117,22 @@ class FleetHooks:
         self._lookups: dict[str, tuple[int, KVRequest]] = {}  # request id -> (computed tokens, kvdi's request)
         self._sched_ledger = SchedulerLedger(self._shape.tp_size * self._shape.pp_size)
         self._worker_ledger = WorkerLedger([r.key for r in self._shape.ranks()] if self._shape.sliced else ())
-        self._tiers: list[tuple[Any, str, str]] = []
-        if worker and self._events_on:
-            self.half.block_events = deque(maxlen=1 << 20)
-            for store in store_tiers(getattr(self.half, "store", None)):
-                if hasattr(store, "evicted_keys"):
-                    store.evicted_keys = sink()
-                self._tiers.append((store, *tier_of(store)[1:]))
+        # The stores behind the half, by kind of tier (hit sources, medium and locality of events), found once.
+        store = self.half.store if isinstance(self.half, StoreHalf) else None
+        leaves = leaf_stores(store) if store is not None else []
+        self._hit_tiers: list[tuple[BlockStore, str]] = [(leaf, tier_of(leaf)[0]) for leaf in leaves]
+        self._hit_source = self.half.hit_source if isinstance(self.half, DeclaresHitSource) else None
+        self._tiers: list[tuple[deque[bytes] | None, str, str]] = []  # (evicted keys, medium, locality) per leaf
+        self._block_events: deque[tuple[bool, bytes]] = deque(maxlen=1 << 20)
+        if worker and self._events_on and store is not None:
+            if isinstance(self.half, BlockEventSource):
+                self.half.watch_blocks(lambda landed, key: self._block_events.append((landed, key)))
+            for leaf in leaves:
+                watch = StoreCapabilities.of(leaf).watch_evictions
+                evicted = sink() if watch is not None else None
+                if watch is not None and evicted is not None:
+                    watch(evicted.append)
+                self._tiers.append((evicted, *tier_of(leaf)[1:]))
 
     # -- scheduler role ------------------------------------------------------------------------
 
@@ -206,26 +224,24 @@ class FleetHooks:
         """vLLM's hook: ``num_external_tokens`` split by the kind of tier that serves them."""
         if num_external_tokens <= 0:
             return {}
-        store = getattr(self.half, "store", self.half)
-        tiers = store_tiers(store)
-        if len(tiers) == 1:
-            source = getattr(self.half, "hit_source", None) or tier_of(tiers[0])[0]
+        if len(self._hit_tiers) <= 1:  # one store, or a half without one (its own hit source, else remote)
+            source = self._hit_source or (self._hit_tiers[0][1] if self._hit_tiers else REMOTE_HIT_SOURCE)
             return {CacheHitSource(source): num_external_tokens}
-        return self._split_by_tier(str(request.request_id), tiers, num_external_tokens)
+        return self._split_by_tier(str(request.request_id), num_external_tokens)
 
-    def _split_by_tier(self, rid: str, tiers: list[Any], tokens: int) -> dict[CacheHitSource, int]:
+    def _split_by_tier(self, rid: str, tokens: int) -> dict[CacheHitSource, int]:
         computed, req = self._lookups.get(rid, (0, None))
         bs = self.layout.block_size
         keys = block_keys(req.prompt_token_ids, self.layout, req.cache_salt)[computed // bs :] if req else []
         out: dict[CacheHitSource, int] = {}
         served = 0
-        for store in tiers:
+        for store, hit_source in self._hit_tiers:
             try:
                 held = min(store.count_prefix(keys), -(-tokens // bs)) * bs
             except Exception:
                 continue
             if held > served:
-                source = CacheHitSource(tier_of(store)[0])
+                source = CacheHitSource(hit_source)
                 out[source] = out.get(source, 0) + min(held, tokens) - served
                 served = min(held, tokens)
         if served < tokens:
@@ -243,14 +259,14 @@ class FleetHooks:
         if not self._events_on or not self._tiers:
             return None
         events: list[KVCacheEvent] = []
-        reported: list[tuple[bool, bytes]] = drain(getattr(self.half, "block_events", None))
+        reported = drain(self._block_events)
         landed = [k for ok, k in reported if ok]
         dropped = [k for ok, k in reported if not ok]
         for medium, locality in dict.fromkeys((m, loc) for _, m, loc in self._tiers):  # one report per kind
             events.extend(_transport_stored(k, medium, locality) for k in self._worker_ledger.block_keys(landed))
             events.extend(BlockRemoved([k], medium, None, locality) for k in self._worker_ledger.block_keys(dropped))
-        for store, medium, locality in self._tiers:
-            gone = drain(getattr(store, "evicted_keys", None))
+        for evicted, medium, locality in self._tiers:
+            gone = drain(evicted)
             events.extend(BlockRemoved([k], medium, None, locality) for k in self._worker_ledger.block_keys(gone))
         return KvdiKVEvents(events) if events else None
 

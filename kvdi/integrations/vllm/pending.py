@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
 
+from kvdi.connectors.base import LoadWaiter, PrefetchingScheduler, WorkerConnector
 from kvdi.integrations.vllm.async_loads import WorkerLoads
+from kvdi.integrations.vllm.hybrid import HybridWorker
 
 
 class HeldSaves:
@@ -40,14 +41,14 @@ class HeldSaves:
         self.held.difference_update(request_ids or ())
 
 
-def wait_for_loads(worker: Any, loads: WorkerLoads) -> None:
+def wait_for_loads(worker: WorkerConnector, loads: WorkerLoads) -> None:
     """On an idle step (``loads.idle``), block up to ``loads.idle_wait_s`` until an asynchronous load of
     ``worker`` (of each KV cache group's half, for a hybrid worker) finishes; at once when none is in
     flight or the wait is off. The wait is on a condition variable: the loader thread has the GIL."""
     if not loads.idle or loads.idle_wait_s <= 0:
         return
-    halves = getattr(worker, "halves", None) or (worker,)
-    waits = [w for w in (getattr(h, "wait_for_loads", None) for h in halves) if callable(w)]
+    halves = worker.halves if isinstance(worker, HybridWorker) else (worker,)
+    waits = [h.wait_for_loads for h in halves if isinstance(h, LoadWaiter)]
     start = time.monotonic()
     deadline = start + loads.idle_wait_s
     for wait in waits:
@@ -66,6 +67,7 @@ class PendingWorkHooks:
     :class:`HeldSaves` the class it is mixed into sets as ``_held_saves`` (only the scheduler role holds any)."""
 
     _held_saves: HeldSaves
+    _prefetcher: PrefetchingScheduler | None = None  # the scheduler half, once prefetch at lookup is on
 
     def has_pending_block_frees(self) -> bool:
         """True while a store connector holds blocks of finished requests for queued saves (they come back on
@@ -75,7 +77,7 @@ class PendingWorkHooks:
     def has_pending_push_work(self) -> bool:
         """True while held saves are still to be reported, so the engine steps until their blocks come back,
         or while prefetch staging of ended requests is still to be dropped (the next step tells the worker)."""
-        prefetch = getattr(getattr(self, "_scheduler", None), "prefetch", None)
+        prefetch = self._prefetcher.prefetch if self._prefetcher is not None else None
         return bool(self._held_saves.held) or bool(prefetch is not None and prefetch.drops_due)
 
     @property
