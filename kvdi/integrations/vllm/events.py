@@ -45,7 +45,12 @@ from vllm.distributed.kv_events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
-from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
+from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
+    generate_block_hash_extra_keys,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvdi.connectors.base import (
@@ -196,14 +201,17 @@ class FleetHooks:
         if not isinstance(reported, KvdiKVEvents):
             return
         for event in reported.get_all_events():
+            key = event.block_hashes[0] if isinstance(event, (BlockStored, BlockRemoved)) else None
+            if not isinstance(key, bytes):  # the ranks' reports carry kvdi's block keys (bytes)
+                continue
             if isinstance(event, BlockStored):
-                facts = self._sched_ledger.landed(event.block_hashes[0], str(event.medium), event.locality)
+                facts = self._sched_ledger.landed(key, str(event.medium), event.locality)
                 if facts is not None:
                     self._out.append(_stored(facts, event, self.layout.block_size))
             elif isinstance(event, BlockRemoved):
-                block_hash = self._sched_ledger.removed(event.block_hashes[0], str(event.medium))
+                block_hash = self._sched_ledger.removed(key, str(event.medium))
                 if block_hash is not None:
-                    ext = maybe_convert_block_hash(block_hash)
+                    ext = maybe_convert_block_hash(BlockHash(block_hash))
                     self._out.append(BlockRemoved([ext], event.medium, 0, event.locality))
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -298,8 +306,8 @@ def _transport_stored(key: bytes, medium: str, locality: str) -> BlockStored:
 
 def _stored(facts: BlockFacts, event: BlockStored, block_size: int) -> BlockStored:
     return BlockStored(
-        block_hashes=[maybe_convert_block_hash(facts.block_hash)],
-        parent_block_hash=None if facts.parent_hash is None else maybe_convert_block_hash(facts.parent_hash),
+        block_hashes=[maybe_convert_block_hash(BlockHash(facts.block_hash))],
+        parent_block_hash=None if facts.parent_hash is None else maybe_convert_block_hash(BlockHash(facts.parent_hash)),
         token_ids=list(facts.token_ids),
         block_size=block_size,
         lora_id=facts.lora_id,
