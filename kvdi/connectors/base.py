@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvdi.allocator import Staging
+    from kvdi.connectors.store.load_policy import LoadPolicy
     from kvdi.connectors.store.prefetch import PrefetchPlanner
     from kvdi.connectors.store.protocol import BlockStore
     from kvdi.layout import KVCacheSpec
@@ -291,8 +292,7 @@ class AsyncLoadMetadata(Protocol):
 
 @runtime_checkable
 class DeclaresHitSource(Protocol):
-    """A store or a half that says, as a class attribute, which kind of tier serves its hits: one of vLLM's
-    ``CacheHitSource`` values (``host``, ``disk``, ``p2p``); one that does not counts as :data:`REMOTE_HIT_SOURCE`."""
+    """A store or half naming, as a class attribute, vLLM's ``CacheHitSource`` of its hits (else the remote one)."""
 
     hit_source: str
 
@@ -310,10 +310,10 @@ class PrefetchingScheduler(Protocol):
     host that relays the worker half's :class:`PrefetchingWorker` reports back to :meth:`prefetched`."""
 
     prefetch: PrefetchPlanner | None  # the planner while prefetch is on (enable_prefetch said True)
-    lookup_s: float | None  # the store's lookup round trip in seconds, once enable_prefetch measured it
+    load_policy: LoadPolicy  # how hits load (sync, background, prefetch) and why: the host logs describe() once
 
-    def enable_prefetch(self) -> bool:
-        """Called once by the host; True when lookups prefetch from now on (``transfer.async_load``)."""
+    def enable_prefetch(self, unavailable: str | None = None) -> bool:
+        """Called once by the host with why prefetch cannot run there (None: it can); True when lookups prefetch."""
         ...
 
     def prefetched(self, reports: Iterable[tuple[str, int]]) -> None:

@@ -10,9 +10,9 @@ in-process and its multiprocess engine core alike.
 
 Prefetch runs with one KV cache group, one worker rank (no tensor or pipeline parallelism: each
 rank would stage its own slice and report on its own) and a store read by the worker itself
-(not a :class:`BlockIndex` connector); otherwise hits take ``async_load=auto``'s path, as logged. Under ``auto``
-the store half decides at start: a store that says it is remote, or whose lookup round trip measures 1 ms or
-more, prefetches (:data:`kvdi.connectors.store.scheduler.AUTO_PREFETCH_LOOKUP_S`); a local one does not.
+(not a :class:`BlockIndex` connector); otherwise hits take ``async_load=auto``'s path, as logged. The store
+half's :class:`~kvdi.connectors.store.load_policy.LoadPolicy` decides, once, at start, and says why in one line
+the adapter logs.
 """
 
 from __future__ import annotations
@@ -41,36 +41,30 @@ class PrefetchHooks:
     _prefetch_source: PrefetchingWorker | None = None  # the worker half, when it can prefetch
 
     def _prefetch_setup(self) -> None:
-        """Scheduler role: turn prefetch on in the store half when ``async_load=prefetch``, or when ``auto`` finds
-        the store remote (it says so, or its lookup round trip measures 1 ms or more), and it can run here."""
+        """Scheduler role: hand the store half's load policy (:mod:`kvdi.connectors.store.load_policy`) what this
+        engine allows (prefetch needs one KV cache group, one rank and a store the worker reads), let it decide
+        once whether hits prefetch at lookup, and log its decision and why."""
         if isinstance(self._worker, PrefetchingWorker):
             self._prefetch_source = self._worker
-        mode = self.half.context.settings.transfer.async_load
-        if self._scheduler is None or mode not in ("prefetch", "auto"):
+        if self._scheduler is None:
             return
-        sched = self._scheduler if isinstance(self._scheduler, PrefetchingScheduler) else None
-        why = (
-            "the connector has no store scheduler half" if sched is None
-            else "several KV cache groups" if len(self.groups) > 1
+        if not isinstance(self._scheduler, PrefetchingScheduler):
+            if self.half.context.settings.transfer.async_load == "prefetch":
+                logger.warning(
+                    "kvdi: transfer.async_load=prefetch is not available here (the connector has no store scheduler "
+                    "half); hits load as with auto"
+                )
+            return
+        unavailable = (
+            "several KV cache groups" if len(self.groups) > 1
             else "tensor or pipeline parallelism" if self._shape.sliced
             else "its blocks live in the worker's memory (a block index)" if self._index_mode
             else None
         )  # fmt: skip
-        if why is None and sched is not None and sched.enable_prefetch() and sched.prefetch is not None:
-            self._prefetcher = sched
-            rtt = sched.lookup_s
-            measured = f"; store lookup {rtt * 1e3:.2f} ms" if rtt is not None else ""
-            logger.info(
-                "kvdi: prefetch at lookup on (async_load=%s%s; host staging up to %d B)",
-                mode, measured, sched.prefetch.max_bytes,
-            )  # fmt: skip
-        elif mode == "prefetch":
-            logger.warning("kvdi: transfer.async_load=prefetch is not available here (%s); hits load as with auto", why)
-        elif why is None and sched is not None:
-            rtt = sched.lookup_s
-            logger.info(
-                "kvdi: async_load=auto: a local store (lookup %s): no prefetch", f"{rtt * 1e3:.2f} ms" if rtt else "?"
-            )
+        if self._scheduler.enable_prefetch(unavailable):
+            self._prefetcher = self._scheduler
+        policy = self._scheduler.load_policy
+        (logger.warning if policy.refused else logger.info)("kvdi: %s", policy.describe())
 
     def _prefetch_reported(self, reports: tuple[tuple[str, int], ...]) -> None:
         """Scheduler role: the worker's finished prefetches, ``(request, leading blocks staged)``."""
