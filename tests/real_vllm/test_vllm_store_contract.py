@@ -25,42 +25,36 @@ def test_the_docs_example_store_gets_events_hit_sources_and_health(tmp_path: Pat
 
     from kvdi.connectors.base import KVRequest
     from kvdi.connectors.store.keys import block_keys
-    from kvdi.integrations.vllm.events import FleetHooks
+    from kvdi.integrations.vllm.fleet.events import SchedulerFleet, WorkerFleet, events_enabled
     from kvdi.integrations.vllm.parallel import RankSlice
+    from kvdi.integrations.vllm.requests import RequestTracker
     from kvdi.testing.conformance import FRAME_BYTES, LAYOUT, Halves
 
-    def hooks_for(half: object, events: bool, worker: bool) -> FleetHooks:
-        hooks = FleetHooks()
-        hooks.half, hooks.layout, hooks._shape = half, LAYOUT, RankSlice()  # type: ignore[assignment]
-        config = SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=events))
-        hooks._fleet_setup(config, worker=worker)
-        return hooks
+    events_on = events_enabled(SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=True)))
 
     first, second = (KVRequest(f"r{i}", tuple(range(i * 100, i * 100 + 18))) for i in range(2))  # 4 blocks each
     with docs_example_module(tmp_path) as example:
         store = example.SqliteBlockStore(tmp_path / "kv.sqlite3", FRAME_BYTES, 4)  # holds one prompt's blocks
         try:
             engine = Halves(store, seed=1)
-            worker = hooks_for(engine.worker, events=True, worker=True)
+            worker = WorkerFleet(engine.worker, RankSlice(), events_on)
             engine.prefill(first)
-            reported = worker.get_kv_connector_kv_cache_events()
+            reported = worker.kv_cache_events()
             assert reported is not None
             stored = [e for e in reported.get_all_events() if isinstance(e, BlockStored)]
             assert [e.block_hashes[0] for e in stored] == block_keys(first.prompt_token_ids, LAYOUT)
             assert {(e.medium, e.locality) for e in stored} == {("STORAGE", "REMOTE")}
 
             Halves(store, seed=2).prefill(second)  # another engine on the store: its saves evict the first's
-            reported = worker.get_kv_connector_kv_cache_events()
+            reported = worker.kv_cache_events()
             assert reported is not None
             removed = {e.block_hashes[0] for e in reported.get_all_events() if isinstance(e, BlockRemoved)}
             assert removed == set(block_keys(first.prompt_token_ids, LAYOUT))
 
-            scheduler = hooks_for(Halves(store).scheduler, events=False, worker=False)
-            scheduler._fleet_looked_up(second, 0, 16)
-            assert scheduler.get_external_cache_hit_sources(SimpleNamespace(request_id="r1"), 16) == {
-                CacheHitSource.DISK: 16
-            }
-            gauges = worker._fleet.entry(None) or {}
+            scheduler = SchedulerFleet(Halves(store).scheduler, LAYOUT, RankSlice(), RequestTracker(), events_on=False)
+            scheduler.looked_up(second, 0, 16)
+            assert scheduler.hit_sources(SimpleNamespace(request_id="r1"), 16) == {CacheHitSource.DISK: 16}
+            gauges = worker.counters.entry(None) or {}
             assert gauges["g|worker|0-0|breaker_open|sqlite:kv.sqlite3"] == 0.0  # health(): the file serves
         finally:
             store.close()

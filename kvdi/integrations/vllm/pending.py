@@ -10,7 +10,6 @@
 - :func:`wait_for_loads` (worker role): on a step that schedules nothing, wait a bounded time
   (``transfer.idle_load_wait_ms``) for an asynchronous load to finish before answering, so
   vLLM's empty steps do not spin against the loader thread for the GIL.
-- :class:`PendingWorkHooks`: the three vLLM hooks, mixed into the adapter.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from kvdi.connectors.base import LoadWaiter, PrefetchingScheduler, WorkerConnector
+from kvdi.connectors.base import LoadWaiter, WorkerConnector
 from kvdi.integrations.vllm.async_loads import WorkerLoads
 from kvdi.integrations.vllm.hybrid import HybridWorker
 
@@ -39,6 +38,23 @@ class HeldSaves:
     def sent(self, request_ids: Iterable[str] | None) -> None:
         """vLLM's aggregated ``finished_sending``: those requests' blocks are vLLM's again."""
         self.held.difference_update(request_ids or ())
+
+    def pending_block_frees(self) -> bool:
+        """vLLM's ``has_pending_block_frees``: True while a store connector holds blocks of finished requests for
+        queued saves (they come back on their own): vLLM waits for them instead of preempting. Never for p2p,
+        whose peer may never pull."""
+        return self.best_effort and bool(self.held)
+
+    def pending_push_work(self, prefetch_drops_due: bool = False) -> bool:
+        """vLLM's ``has_pending_push_work``: True while held saves are still to be reported, so the engine steps
+        until their blocks come back, or while prefetch staging of ended requests is still to be dropped (the
+        next step tells the worker)."""
+        return bool(self.held) or prefetch_drops_due
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False for the store connectors (a best-effort cache), True otherwise (p2p delivers to a peer)."""
+        return not self.best_effort
 
 
 def wait_for_loads(worker: WorkerConnector, loads: WorkerLoads) -> None:
@@ -62,28 +78,4 @@ def wait_for_loads(worker: WorkerConnector, loads: WorkerLoads) -> None:
         loads.counts.idle_load_wait_seconds += waited
 
 
-class PendingWorkHooks:
-    """vLLM's ``has_pending_block_frees``, ``has_pending_push_work`` and ``requires_kv_delivery`` over the
-    :class:`HeldSaves` the class it is mixed into sets as ``_held_saves`` (only the scheduler role holds any)."""
-
-    _held_saves: HeldSaves
-    _prefetcher: PrefetchingScheduler | None = None  # the scheduler half, once prefetch at lookup is on
-
-    def has_pending_block_frees(self) -> bool:
-        """True while a store connector holds blocks of finished requests for queued saves (they come back on
-        their own): vLLM waits for them instead of preempting. Never for p2p, whose peer may never pull."""
-        return self._held_saves.best_effort and bool(self._held_saves.held)
-
-    def has_pending_push_work(self) -> bool:
-        """True while held saves are still to be reported, so the engine steps until their blocks come back,
-        or while prefetch staging of ended requests is still to be dropped (the next step tells the worker)."""
-        prefetch = self._prefetcher.prefetch if self._prefetcher is not None else None
-        return bool(self._held_saves.held) or bool(prefetch is not None and prefetch.drops_due)
-
-    @property
-    def requires_kv_delivery(self) -> bool:
-        """False for the store connectors (a best-effort cache), True otherwise (p2p delivers to a peer)."""
-        return not self._held_saves.best_effort
-
-
-__all__ = ["HeldSaves", "PendingWorkHooks", "wait_for_loads"]
+__all__ = ["HeldSaves", "wait_for_loads"]

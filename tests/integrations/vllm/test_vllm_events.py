@@ -14,8 +14,8 @@ from kvdi.connectors.multi import TieredStore
 from kvdi.connectors.shared_storage import FileBlockStore
 from kvdi.connectors.store.keys import block_keys
 from kvdi.connectors.store.protocol import health_checks, leaf_stores
-from kvdi.integrations.vllm.event_ledger import BlockFacts, SchedulerLedger, WorkerLedger, drain, sink
-from kvdi.integrations.vllm.fleet_stats import FleetCounters, breaker_states, merge_entries
+from kvdi.integrations.vllm.fleet.counters import FleetCounters, breaker_states, merge_entries
+from kvdi.integrations.vllm.fleet.ledger import BlockFacts, SchedulerLedger, WorkerLedger, drain, sink
 from kvdi.integrations.vllm.parallel import AllRanksStore, RankSlice
 from tests.helpers.store import Engine, make_settings, request, small_layout
 

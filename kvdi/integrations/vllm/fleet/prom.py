@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.logger import init_logger
 
 from kvdi.integrations.vllm.envelopes import KvdiConnectorStats
-from kvdi.integrations.vllm.fleet_stats import PROM_KEY, merge_entries
+from kvdi.integrations.vllm.fleet.counters import PROM_KEY, merge_entries
 
 if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge, Histogram
