@@ -181,7 +181,7 @@ class HostPoolStore:
                 self._free.append(entry[0])
 
     def check(self) -> str:
-        """A one-line summary (contract 3); the pool itself is allocated on the first write."""
+        """``kvdi check``'s one-line summary (``CheckedStore``); the pool itself is allocated on the first write."""
         gib = self.num_slots * self.slot_bytes / 2**30
         return f"cpu_offload: {self.num_slots} slots of {self.slot_bytes} B ({gib:.2f} GiB), allocated on first write"
 

@@ -359,7 +359,7 @@ class FileBlockStore:
             return freed
 
     def check(self) -> str:
-        """Probe the folder (contract 3): open it and write, read and remove one object; OSError if it cannot serve."""
+        """``kvdi check``: open the folder and write, read and remove one object; OSError if it cannot serve."""
         root = self._dirs.open()
         probe = f".kvdi-check.{secrets.token_hex(8)}"
         fd = os.open(probe, _TEMP_FLAGS, self.mode, dir_fd=root)

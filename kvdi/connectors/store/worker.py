@@ -217,7 +217,7 @@ class StoreWorkerConnector(WorkerConnector):
                 for transfer in meta.loads:
                     self.report_load_error(self._load_request(io, transfer, self.stats, self._background(io)))
         if isinstance(meta, StoreTransferMetadata) and meta.async_loads:
-            fence = self._cache().fence()  # CUDA: the jobs' copies follow the compute queued so far (issue 22)
+            fence = self._cache().fence()  # CUDA: the jobs' copies follow the compute queued so far
             fetch = self._background(self._cache(), fetch=True)  # made here: job threads never race to make it
             for transfer in meta.async_loads:
                 job = partial(self._load_job, transfer, fence, fetch)
