@@ -17,10 +17,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kvdi demo
 
+# mypy twice: over kvdi/ in .venv (vLLM seen as Any), and over the vLLM adapter in .venv-vllm against
+# vLLM's own types (.ci/vllm-mypy.sh builds or reuses that venv and adds mypy to it).
 lint: $(STAMP)
 	$(BIN)/ruff check kvdi tests containers benchmarks
 	$(BIN)/ruff format --check kvdi tests containers benchmarks
 	$(BIN)/mypy
+	bash .ci/vllm-mypy.sh
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q --ignore=tests/real_vllm

@@ -1,4 +1,4 @@
-"""Memory kvdi uses outside the KV cache (issue 22): planned, bounded by a setting, shown by ``kvdi info``.
+"""Memory kvdi uses outside the KV cache: planned, bounded by a setting, shown by ``kvdi info``.
 
 - host staging is host memory: never counted against the device's free memory;
 - device staging (a p2p NCCL fetch's landing zone) is bounded by ``allocator.max_staging_bytes``

@@ -309,11 +309,23 @@ def test_deeply_nested_json_is_a_config_error(
         load_settings()
 
 
-def test_kvdi_test_redis_server_is_not_taken_for_a_setting(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """kvdi's own test variable is on the documented allow-list of non-setting KVDI_ variables."""
-    monkeypatch.setenv("KVDI_TEST_REDIS_SERVER", "/usr/bin/redis-server")
+def test_kvdi_test_redis_server_is_not_taken_for_a_setting(
+    kvdi_env: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """kvdi's test tooling names its own variable (kvdi.testing), under the prefix settings leave alone, in the
+    process environment and in a .env alike; production settings do not know it."""
+    import kvdi.settings
+    from kvdi.settings.root import TOOLING_ENV_PREFIX
+    from kvdi.testing.redis_server import TEST_REDIS_SERVER_ENV
+
+    assert TEST_REDIS_SERVER_ENV.startswith(TOOLING_ENV_PREFIX) and TEST_REDIS_SERVER_ENV not in NON_SETTING_ENV_VARS
+    assert not hasattr(kvdi.settings, "TEST_REDIS_SERVER_ENV")
+    monkeypatch.setenv(TEST_REDIS_SERVER_ENV, "/usr/bin/redis-server")
     assert load_settings().kv_connector == "shared_storage"
-    assert "KVDI_TEST_REDIS_SERVER" in NON_SETTING_ENV_VARS
+    monkeypatch.delenv(TEST_REDIS_SERVER_ENV)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text(f"{TEST_REDIS_SERVER_ENV}=/usr/bin/redis-server\n")
+    assert load_settings().kv_connector == "shared_storage"
 
 
 def test_a_secret_fields_input_is_never_echoed(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""A ``.env`` shared with other tools: kvdi reads only its ``KVDI_*`` keys from it (issue 19, item 1)."""
+"""A ``.env`` shared with other tools: kvdi reads only its ``KVDI_*`` keys from it."""
 
 from __future__ import annotations
 

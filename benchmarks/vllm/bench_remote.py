@@ -6,7 +6,7 @@ Usage (the vLLM venv, from the repository root)::
     PYTHONPATH=$PWD .venv-vllm/bin/python -m benchmarks.vllm.bench_remote --quick   # smoke run, ~5 min
 
 Prints one JSON document on stdout (also written to ``--out``) and a human table on stderr
-with issue 17's targets next to their figures, met or not.
+with the remote-tier bars (a remote tier never costs a request more than 1.1x) next to their figures, met or not.
 
 Redis (a real ``redis-server`` on loopback) sits behind :class:`~kvdi.testing.latency_proxy.LatencyProxy`,
 which delays every chunk by ``D`` ms each way (``--delays-ms``, default 0 1 5; 0 still goes

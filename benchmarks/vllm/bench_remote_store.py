@@ -53,18 +53,21 @@ def raw_transfer(url: str, keys: list[bytes], tries: int) -> dict[str, Any]:
 
 
 def auto_pick(hit_bytes: int, delays_ms: list[float] | None = None) -> dict[str, Any]:
-    """What ``transfer.async_load=auto`` does for these hits: kvdi's own rule, read from its modules. In vLLM a store
-    whose lookup takes ``AUTO_PREFETCH_LOOKUP_S`` or more prefetches: behind the proxy a lookup takes at least
+    """What ``transfer.async_load=auto`` does for these hits: kvdi's own rule (``load_policy.auto_way``). In vLLM a
+    store whose lookup takes ``AUTO_PREFETCH_LOOKUP_S`` or more prefetches: behind the proxy a lookup takes at least
     2 x the delay each way, so ``by_delay`` says, per delay, what ``auto`` picks there."""
     from kvdi.connectors.redis.server import RedisBlockStore
-    from kvdi.connectors.store.scheduler import ASYNC_LOAD_MIN_BYTES, AUTO_PREFETCH_LOOKUP_S
+    from kvdi.connectors.store.load_policy import ASYNC_LOAD_MIN_BYTES, AUTO_PREFETCH_LOOKUP_S, auto_way
 
     remote = bool(RedisBlockStore.prefers_async_load)
-    path = "on" if remote or hit_bytes >= ASYNC_LOAD_MIN_BYTES else "off"
+    path = "on" if auto_way(remote, None, hit_bytes, prefetch_here=False) == "background" else "off"
     why = (
         f"redis prefers_async_load={remote}; largest hit {hit_bytes / 2**20:.1f} MiB vs "
         f"{ASYNC_LOAD_MIN_BYTES / 2**20:.0f} MiB threshold; prefetch where a lookup takes "
         f">= {AUTO_PREFETCH_LOOKUP_S * 1e3:g} ms"
     )
-    by_delay = {f"{d:g}": "prefetch" if 2 * d / 1e3 >= AUTO_PREFETCH_LOOKUP_S else path for d in delays_ms or []}
+    by_delay = {
+        f"{d:g}": "prefetch" if auto_way(remote, 2 * d / 1e3, hit_bytes, prefetch_here=True) == "prefetch" else path
+        for d in delays_ms or []
+    }
     return {"path": path, "why": why, "by_delay": by_delay}

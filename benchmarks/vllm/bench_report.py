@@ -120,7 +120,7 @@ def figures(engines: dict[str, list[Engine]], phase_names: list[str]) -> dict[st
 
 
 def ratio_rows(engines: dict[str, list[Engine]], process_local: set[str]) -> list[dict[str, Any]]:
-    """The ratios of issue 9's Targets (and context rows), one dict per row, for each prefix-caching setting."""
+    """The ratios of the bars inside vLLM (and context rows), one dict per row, for each prefix-caching setting."""
     rows: list[dict[str, Any]] = []
 
     def add(what: str, cfg: str, num: dict[int, float], den: dict[int, float], target: str, note: str = "") -> None:

@@ -6,7 +6,7 @@ Usage (the vLLM venv, from the repository root)::
     PYTHONPATH=$PWD .venv-vllm/bin/python -m benchmarks.vllm.bench_vllm --quick   # smoke run, ~3 min
 
 Prints one JSON document on stdout (also written to ``--out``) and a human table on stderr
-with every figure and every ratio of issue 9's Targets next to its target, met or not.
+with every figure and every ratio of the brief's bars for a connector inside vLLM next to its target, met or not.
 
 Configurations: no connector, kvdi ``null``, vLLM ``ExampleConnector``, kvdi
 ``shared_storage``, ``cpu_offload`` and ``redis`` (a real ``redis-server`` on a free loopback

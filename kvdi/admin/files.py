@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvdi.admin.model import StoreObject, is_hex, is_key_name
-from kvdi.connectors.store.safe_dir import DIR_FLAGS
+from kvdi.connectors.shared_storage.safe_dir import DIR_FLAGS
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 

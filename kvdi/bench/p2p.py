@@ -175,7 +175,7 @@ def transfer_consumer(port: int, raw_port: int, blocks: int, reps: int, out: Any
         tokens = tuple(range(blocks * BLOCK_SIZE + 1))
         ids = tuple(range(blocks))
         deadline = time.monotonic() + WAIT_S
-        while sched.get_num_new_matched_tokens(KVRequest("probe", tokens), 0)[0] < blocks * BLOCK_SIZE:
+        while (sched.get_num_new_matched_tokens(KVRequest("probe", tokens), 0)[0] or 0) < blocks * BLOCK_SIZE:
             if time.monotonic() > deadline:
                 raise TimeoutError("producer never published its blocks")
             time.sleep(0.05)
@@ -186,7 +186,7 @@ def transfer_consumer(port: int, raw_port: int, blocks: int, reps: int, out: Any
         raw: list[float] = []
         for r in range(reps + 1):  # alternate, so load from other processes hits both alike
             request = KVRequest(f"decode-{r}", tokens)
-            matched, _ = sched.get_num_new_matched_tokens(request, 0)
+            matched = sched.get_num_new_matched_tokens(request, 0)[0] or 0  # p2p never answers "ask again"
             sched.update_state_after_alloc(request, ids, matched)
             worker.bind_connector_metadata(sched.build_connector_meta(_step(request, ids, matched)))
             start = time.perf_counter()

@@ -21,10 +21,10 @@ from __future__ import annotations
 import enum
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvdi.errors import ConnectorTypeError
 
@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     import torch
 
     from kvdi.allocator import Staging
+    from kvdi.connectors.store.load_policy import LoadPolicy
+    from kvdi.connectors.store.prefetch import PrefetchPlanner
+    from kvdi.connectors.store.protocol import BlockStore
     from kvdi.layout import KVCacheSpec
     from kvdi.settings import KvdiSettings
 
@@ -191,12 +194,14 @@ class SchedulerConnector(_Half):
     ROLE = KVConnectorRole.SCHEDULER
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Called by the scheduler once for a waiting request, before allocating its blocks.
 
         Returns ``(n, load_async)``: how many prompt tokens beyond ``num_computed_tokens`` can
         be loaded (a multiple of the block size; never the whole prompt, the last token is
-        always computed), and whether the load completes asynchronously.
+        always computed), and whether the load completes asynchronously. ``n`` None is "ask again"
+        (a hit being prefetched into host staging): the request waits, holding no block, for a later
+        step to ask again; only a :class:`PrefetchingScheduler` whose host enabled it answers None.
         """
 
     @abstractmethod
@@ -273,6 +278,95 @@ class WorkerConnector(_Half):
     def report_load_error(self, block_ids: Sequence[int]) -> None:
         """For subclasses: mark blocks whose load failed so the engine recomputes (or fails) them."""
         self._load_errors.update(block_ids)
+
+
+REMOTE_HIT_SOURCE = "external_unspecified"  # the hit source of what declares none (vLLM's EXTERNAL_UNSPECIFIED)
+
+
+@runtime_checkable
+class AsyncLoadMetadata(Protocol):
+    """Step metadata with loads that finish in a later step (the store and p2p connectors' metadata)."""
+
+    async_loads: tuple[BlockTransfer, ...]
+
+
+@runtime_checkable
+class DeclaresHitSource(Protocol):
+    """A store or half naming, as a class attribute, vLLM's ``CacheHitSource`` of its hits (else the remote one)."""
+
+    hit_source: str
+
+
+@runtime_checkable
+class StoreHalf(Protocol):
+    """A half over one BlockStore: its host reads the store's capabilities through ``StoreCapabilities``."""
+
+    store: BlockStore
+
+
+@runtime_checkable
+class PrefetchingScheduler(Protocol):
+    """A scheduler half that can prefetch hits at lookup into host staging (answering "ask again" meanwhile), for a
+    host that relays the worker half's :class:`PrefetchingWorker` reports back to :meth:`prefetched`."""
+
+    prefetch: PrefetchPlanner | None  # the planner while prefetch is on (enable_prefetch said True)
+    load_policy: LoadPolicy  # how hits load (sync, background, prefetch) and why: the host logs describe() once
+
+    def enable_prefetch(self, unavailable: str | None = None) -> bool:
+        """Called once by the host with why prefetch cannot run there (None: it can); True when lookups prefetch."""
+        ...
+
+    def prefetched(self, reports: Iterable[tuple[str, int]]) -> None:
+        """The worker half's finished prefetches, ``(request id, leading blocks staged)``."""
+        ...
+
+
+@runtime_checkable
+class PrefetchingWorker(Protocol):
+    """A worker half that fetches hits into host staging ahead of their loads (the store worker half)."""
+
+    def prefetch_reports(self) -> list[tuple[str, int]]:
+        """Prefetches finished since the last call, ``(request id, leading blocks staged)``, for the scheduler."""
+        ...
+
+
+@runtime_checkable
+class LoadWaiter(Protocol):
+    """A worker half whose asynchronous loads an idle step may wait for (GIL released)."""
+
+    def wait_for_loads(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until an asynchronous load (or prefetch) finishes; True once one did."""
+        ...
+
+
+@runtime_checkable
+class PreemptionAware(Protocol):
+    """A worker half with queued transfers that must finish before a preempted request's blocks are reused."""
+
+    def handle_preemptions(self, preempted_req_ids: Collection[str] | None = None) -> None:
+        """Finish the transfers of those requests (None: of every request) before the next forward pass."""
+        ...
+
+
+@runtime_checkable
+class BlockEventSource(Protocol):
+    """A worker half that can tell its host which blocks landed in its store and which it dropped as corrupt."""
+
+    def watch_blocks(self, event: Callable[[bool, bytes], None]) -> None:
+        """Call ``event(True, key)`` per save that landed whole, ``event(False, key)`` per object dropped as corrupt,
+        from whichever thread did it (cheap, thread-safe). One watcher: a second call replaces the first."""
+        ...
+
+
+@runtime_checkable
+class WorkerGauges(Protocol):
+    """A worker half with gauges for its host's metrics."""
+
+    @property
+    def inflight_bytes(self) -> int: ...  # bytes of queued asynchronous saves
+
+    @property
+    def staged_bytes(self) -> int | None: ...  # bytes prefetches hold in host staging; None: no staging
 
 
 def run_transfer_step(worker: WorkerConnector, metadata: KVConnectorMetadata) -> set[int]:

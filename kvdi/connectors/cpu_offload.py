@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -52,7 +52,11 @@ class HostPoolStore:
         self._unused = 0  # slots from here on were never used (no list of num_slots entries)
         self._lock = threading.Lock()
         self._logged: set[str] = set()
-        self.evicted_keys: deque[bytes] | None = None  # set by the vLLM adapter for KV cache events
+        self._evicted: Callable[[bytes], None] | None = None  # the eviction watcher (KV cache events)
+
+    def watch_evictions(self, evicted: Callable[[bytes], None]) -> None:
+        """:class:`~kvdi.connectors.store.EvictingStore`: ``evicted(key)`` for each block the LRU drops."""
+        self._evicted = evicted
 
     def _slots(self) -> np.ndarray:
         if self._pool is None:
@@ -160,8 +164,8 @@ class HostPoolStore:
             self._unused += 1
             return self._unused - 1
         key, (slot, _size) = self._lru.popitem(last=False)
-        if self.evicted_keys is not None:
-            self.evicted_keys.append(key)
+        if self._evicted is not None:
+            self._evicted(key)
         return slot
 
     def _touch(self, keys: Sequence[bytes]) -> None:
@@ -177,7 +181,7 @@ class HostPoolStore:
                 self._free.append(entry[0])
 
     def check(self) -> str:
-        """A one-line summary (contract 3); the pool itself is allocated on the first write."""
+        """``kvdi check``'s one-line summary (``CheckedStore``); the pool itself is allocated on the first write."""
         gib = self.num_slots * self.slot_bytes / 2**30
         return f"cpu_offload: {self.num_slots} slots of {self.slot_bytes} B ({gib:.2f} GiB), allocated on first write"
 

@@ -107,6 +107,10 @@ class TieredStore:
             out.append(src.nbytes)
         return out
 
+    def parts(self) -> list[BlockStore]:
+        """:class:`~kvdi.connectors.store.CompositeStore`: the tiers' stores, in order."""
+        return [store for _, store in self.tiers]
+
     def prefetch(self, keys: Sequence[bytes]) -> bool:
         """Read ahead in every tier that can (see ``PrefetchStore``); True while any tier says it pays."""
         more = False

@@ -258,6 +258,8 @@ class Scheduler:
         except Exception:  # a lookup that fails is a miss: the request computes its prompt
             logger.exception("connector %r: get_num_new_matched_tokens(%s) failed; computing", name, req.request_id)
             matched, load_async = 0, False
+        if matched is None:  # "ask again" needs a host that asks again (vLLM); this engine never enables it
+            matched, load_async = 0, False
         limit = loadable_tokens(len(req.prompt_token_ids), self.block_size)
         external = max(0, min(matched, limit)) // self.block_size * self.block_size
         req.block_ids = self.pool.allocate(self.blocks_needed(req))

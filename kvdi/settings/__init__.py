@@ -17,7 +17,6 @@ Build settings with :func:`load_settings`, which turns every failure into a one-
 
 from kvdi.settings.diagnostics import (
     NON_SETTING_ENV_VARS,
-    TEST_REDIS_SERVER_ENV,
     check_env_keys,
     describe_validation_error,
     env_var_for,
@@ -56,7 +55,6 @@ __all__ = [
     "MAX_STORE_BYTES",
     "NON_SETTING_ENV_VARS",
     "SETTINGS_FILE_ENV",
-    "TEST_REDIS_SERVER_ENV",
     "TRANSFER_CONFIG_ENV",
     "AllocatorSettings",
     "CpuOffloadSettings",

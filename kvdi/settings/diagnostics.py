@@ -24,14 +24,12 @@ from pydantic import BaseModel, SecretStr, ValidationError
 
 from kvdi.errors import ConfigError, did_you_mean
 from kvdi.masking import MASK, is_secret_key, mask_value
-from kvdi.settings.root import ENV_PREFIX, SETTINGS_FILE_ENV, KvdiSettings
+from kvdi.settings.root import ENV_PREFIX, SETTINGS_FILE_ENV, TOOLING_ENV_PREFIX, KvdiSettings
 from kvdi.settings.vllm_compat import TRANSFER_CONFIG_ENV
 
-TEST_REDIS_SERVER_ENV = "KVDI_TEST_REDIS_SERVER"
-
-# KVDI_ variables that are not settings: the settings file, vLLM's transfer-config JSON, and the
-# Redis server kvdi's own tests use (kvdi.testing.redis_server); check_env_keys lets them pass.
-NON_SETTING_ENV_VARS = frozenset({SETTINGS_FILE_ENV, TRANSFER_CONFIG_ENV, TEST_REDIS_SERVER_ENV})
+# KVDI_ variables that are not settings: the settings file and vLLM's transfer-config JSON; check_env_keys lets
+# them pass, and every variable of kvdi's test tooling (TOOLING_ENV_PREFIX, named by kvdi.testing).
+NON_SETTING_ENV_VARS = frozenset({SETTINGS_FILE_ENV, TRANSFER_CONFIG_ENV})
 
 Loc = tuple[str | int, ...]
 
@@ -132,12 +130,12 @@ def _known_names(model: type[BaseModel], parent: Loc) -> list[str]:
 def check_env_keys(environ: Mapping[str, str] | None = None) -> None:
     """Raise ConfigError for a ``KVDI_*`` env var that names no setting (with a did-you-mean).
 
-    The variables of :data:`NON_SETTING_ENV_VARS` are allowed.
+    The variables of :data:`NON_SETTING_ENV_VARS` and of kvdi's test tooling (``KVDI_TEST_*``) are allowed.
     """
     env = os.environ if environ is None else environ
     for key in env:
         upper = key.upper()
-        if not upper.startswith(ENV_PREFIX) or upper in NON_SETTING_ENV_VARS:
+        if not upper.startswith(ENV_PREFIX) or upper in NON_SETTING_ENV_VARS or upper.startswith(TOOLING_ENV_PREFIX):
             continue
         path = upper[len(ENV_PREFIX) :].lower().split("__")
         model: type[BaseModel] = KvdiSettings
@@ -158,7 +156,6 @@ __all__ = [
     "MAX_ECHO",
     "MAX_ERRORS",
     "NON_SETTING_ENV_VARS",
-    "TEST_REDIS_SERVER_ENV",
     "check_env_keys",
     "clip",
     "describe_validation_error",

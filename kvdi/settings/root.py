@@ -44,8 +44,10 @@ MAX_SETTINGS_FILE_BYTES = 1 << 20
 """The largest KVDI_SETTINGS_FILE read (real ones are a few KB; parsing a huge one would take seconds)."""
 ENV_PREFIX = "KVDI_"
 SETTINGS_FILE_ENV = "KVDI_SETTINGS_FILE"
-ENV_ONLY_VARS = (SETTINGS_FILE_ENV, TRANSFER_CONFIG_ENV, "KVDI_TEST_REDIS_SERVER")
+ENV_ONLY_VARS = (SETTINGS_FILE_ENV, TRANSFER_CONFIG_ENV)
 """``KVDI_`` variables read from the process environment only, never from ``.env``."""
+TOOLING_ENV_PREFIX = "KVDI_TEST_"
+"""Variables of kvdi's test tooling (:mod:`kvdi.testing`, which names them), never settings: settings ignore them."""
 
 # Source names, highest precedence first; "vllm" is shown as "env" by value_sources.
 SOURCE_NAMES = ("init", "env", "vllm", "dotenv", "file")
@@ -66,7 +68,9 @@ class KvdiDotEnvSource(DotEnvSettingsSource):
         return {
             key: value
             for key, value in super()._load_env_vars().items()
-            if key.lower().startswith(prefix) and key.lower() not in env_only
+            if key.lower().startswith(prefix)
+            and key.lower() not in env_only
+            and not key.lower().startswith(TOOLING_ENV_PREFIX.lower())
         }
 
     def __call__(self) -> dict[str, Any]:
@@ -205,6 +209,7 @@ def _toml_source(settings_cls: type[BaseSettings], toml_file: str) -> TomlConfig
 
 __all__ = [
     "ENV_ONLY_VARS",
+    "TOOLING_ENV_PREFIX",
     "ENV_PREFIX",
     "SETTINGS_FILE_ENV",
     "SOURCE_NAMES",

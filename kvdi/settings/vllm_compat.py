@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic.fields import FieldInfo
@@ -139,6 +140,31 @@ def kvdi_child(data: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]:
     return place.strip(), data
 
 
+def extra_config_overrides(extra: Mapping[str, Any], where: str = "") -> dict[str, Any]:
+    """Nested kvdi overrides from vLLM's extra config, the one parser of it: ``{"kvdi.redis.url": u}`` (or
+    ``{"kvdi": {"redis": {"url": u}}}``) -> ``{"redis": {"url": u}}``; other keys belong to vLLM or other
+    connectors and are ignored. ``where`` prefixes error messages (the config's origin)."""
+    at = f"{where}: " if where else ""
+    items: list[tuple[str, Any]] = []
+    nested = extra.get("kvdi")
+    if isinstance(nested, Mapping):
+        items.extend(flatten(nested))
+    items.extend((k[len(EXTRA_PREFIX) :], v) for k, v in extra.items() if k.startswith(EXTRA_PREFIX))
+    out: dict[str, Any] = {}
+    for dotted, value in items:
+        parts = [p for p in dotted.split(".") if p]
+        if not parts:
+            raise ConfigError(f"{at}kv_connector_extra_config key {EXTRA_PREFIX + dotted!r} names no kvdi setting")
+        node = out
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{at}kv_connector_extra_config sets kvdi.{part} both as a value and as a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
 def adapter_overrides(data: dict[str, Any], where: str) -> dict[str, Any]:
     """kvdi settings from vLLM's transfer config, exactly as kvdi's vLLM adapter reads them.
 
@@ -151,21 +177,7 @@ def adapter_overrides(data: dict[str, Any], where: str) -> dict[str, Any]:
     extra = child.get("kv_connector_extra_config") or {}
     if not isinstance(extra, dict):
         raise ConfigError(f"{where}: kv_connector_extra_config must be a JSON object")
-    items: list[tuple[str, Any]] = []
-    if isinstance(extra.get("kvdi"), dict):
-        items.extend(flatten(extra["kvdi"]))
-    items.extend((k[len(EXTRA_PREFIX) :], v) for k, v in extra.items() if k.startswith(EXTRA_PREFIX))
-    out: dict[str, Any] = {}
-    for dotted, value in items:
-        parts = [p for p in dotted.split(".") if p]
-        if not parts:
-            raise ConfigError(f"{where}: kv_connector_extra_config key {EXTRA_PREFIX + dotted!r} names no kvdi setting")
-        node = out
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{where}: kv_connector_extra_config sets kvdi.{part} both as a value and a section")
-        node[parts[-1]] = value
+    out = extra_config_overrides(extra, where)
     out["kv_role"] = child.get("kv_role") or "kv_both"
     if child.get("engine_id") is not None:
         out["engine_id"] = str(child["engine_id"])
@@ -180,6 +192,7 @@ __all__ = [
     "VLLM_USE_V1_ENV",
     "VllmCompatSource",
     "adapter_overrides",
+    "extra_config_overrides",
     "is_adapter_config",
     "kvdi_child",
     "parse_transfer_config",

@@ -56,6 +56,7 @@ from kvdi.connectors.store import (
 )
 from kvdi.connectors.store.framing import HEADER_SIZE, frame_header
 from kvdi.connectors.store.keys import block_keys
+from kvdi.connectors.store.protocol import HIT_SOURCES
 from kvdi.layout import KVCacheSpec
 from kvdi.settings import KvdiSettings
 
@@ -99,7 +100,8 @@ class Halves:
 
     def prefill(self, request: KVRequest = PROMPT, block_ids: tuple[int, ...] = BLOCKS) -> tuple[int, set[int]]:
         """Look up, load and save one prompt; returns (tokens offered, block ids whose load failed)."""
-        n, _ = self.scheduler.get_num_new_matched_tokens(request, 0)
+        matched, _ = self.scheduler.get_num_new_matched_tokens(request, 0)
+        n = matched or 0  # None ("ask again") only after a host turned prefetch on; these halves never do
         self.scheduler.update_state_after_alloc(request, block_ids, n)
         self._steps += 1
         scheduled = ScheduledRequest(request, block_ids, n, len(request.prompt_token_ids) - n)
@@ -285,6 +287,39 @@ class BlockStoreConformance:
         assert Halves(store).prefill(chains[-1], (6, 7, 8, 9, 10)) == (16, set())
 
     # -- declared capabilities ------------------------------------------------------------------
+
+    def test_declared_hit_source_and_parts_are_what_vllm_and_the_adapter_take(self, store: BlockStore) -> None:
+        """``hit_source`` (declared or not) is one of vLLM's cache-hit sources; a composite's parts are stores."""
+        caps = StoreCapabilities.of(store)
+        assert caps.hit_source in HIT_SOURCES, f"hit_source {caps.hit_source!r} is not one of {HIT_SOURCES}"
+        assert isinstance(caps.prefers_async_load, bool)
+        for part in caps.parts:
+            assert isinstance(part, BlockStore) and part is not store
+
+    def test_an_eviction_watch_names_every_object_the_store_dropped(self, open_block_store: OpenStore) -> None:
+        """With ``watch_evictions``: every object written is either still held or was named to the watcher."""
+        store = open_block_store(FRAME_BYTES, 8)
+        watch = StoreCapabilities.of(store).watch_evictions
+        if watch is None or not self.evicts:
+            pytest.skip("this store declares no eviction watch (watch_evictions)")
+        evicted: list[bytes] = []
+        watch(evicted.append)
+        chains = [KVRequest(f"r{r}", tuple(range(r * 100, r * 100 + 18))) for r in range(5)]
+        for r, request in enumerate(chains):
+            Halves(store, seed=r).prefill(request)
+        written = {k for c in chains for k in block_keys(c.prompt_token_ids, LAYOUT)}
+        held = {k for k in written if store.count_prefix([k])}
+        assert evicted and not held & set(evicted), "a key named evicted is still held"
+        assert written == held | set(evicted), "an object went away without being named to the watcher"
+
+    def test_health_names_each_node_with_whether_it_serves(self, store: BlockStore) -> None:
+        """With ``health()``: node label -> True while it serves (a healthy store after a round trip)."""
+        health = StoreCapabilities.of(store).health
+        if health is None:
+            pytest.skip("this store declares no health()")
+        Halves(store, seed=1).prefill()
+        states = dict(health())
+        assert states and all(isinstance(k, str) and v is True for k, v in states.items()), states
 
     def test_declared_capabilities_behave(self, store: BlockStore) -> None:
         caps = StoreCapabilities.of(store)

@@ -57,7 +57,7 @@ class RecordingSchedulerConnector(SchedulerConnector):
         if inner is not None:
             self.stats = inner.stats
 
-    def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         self.log.record("scheduler", "get_num_new_matched_tokens", request.request_id, num_computed_tokens)
         return self.inner.get_num_new_matched_tokens(request, num_computed_tokens) if self.inner else (0, False)
 

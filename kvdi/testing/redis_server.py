@@ -29,6 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
 
+TEST_REDIS_SERVER_ENV = "KVDI_TEST_REDIS_SERVER"
+"""The ``redis-server`` binary these launchers start (else the one on ``$PATH``); a tooling variable, not a setting."""
 INSTALL_HINT = "install it with: apt-get install -y redis-server (or brew install redis)"
 _PING_REPLIES = (b"+PONG", b"-NOAUTH")  # a password-protected server refuses PING but is up
 
@@ -39,7 +41,7 @@ class RedisServerError(RuntimeError):
 
 def find_redis_server() -> str | None:
     """Path of the ``redis-server`` binary (``KVDI_TEST_REDIS_SERVER`` or ``$PATH``), or None."""
-    explicit = os.environ.get("KVDI_TEST_REDIS_SERVER")
+    explicit = os.environ.get(TEST_REDIS_SERVER_ENV)
     if explicit:
         return explicit if os.access(explicit, os.X_OK) else None
     return shutil.which("redis-server")

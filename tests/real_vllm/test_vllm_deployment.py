@@ -1,4 +1,4 @@
-"""kvdi dropped into a real deployment (issue 19): the vLLM plugin, a shared ``.env``, weights swapped in place.
+"""kvdi dropped into a real deployment: the vLLM plugin, a shared ``.env``, weights swapped in place.
 
 - The ``vllm.general_plugins`` entry point registers ``KvdiConnector`` with vLLM's connector
   factory (checked in-process and on the metadata of a real ``pip install --target`` of this tree).

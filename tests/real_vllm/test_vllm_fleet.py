@@ -149,7 +149,7 @@ def _wait_metrics(fleet: Fleet, ready: Any, timeout: float = 30.0) -> dict[Any, 
 
 
 def _assert_series_match_stats(fleet: Fleet) -> None:
-    from kvdi.integrations.vllm.prom import COUNTERS
+    from kvdi.integrations.vllm.fleet.prom import COUNTERS
 
     def mismatches() -> list[str]:
         metrics = scrape(fleet.server)
@@ -249,8 +249,9 @@ def test_hit_sources_by_store_and_multi_split_by_tier(tmp_path: Path) -> None:
     from kvdi.connectors.redis import RedisBlockStore
     from kvdi.connectors.shared_storage import FileBlockStore
     from kvdi.connectors.store.keys import block_keys
-    from kvdi.integrations.vllm.events import FleetHooks
+    from kvdi.integrations.vllm.fleet.events import SchedulerFleet
     from kvdi.integrations.vllm.parallel import RankSlice
+    from kvdi.integrations.vllm.requests import RequestTracker
     from kvdi.layout import KVCacheSpec
     from kvdi.settings import RedisSettings
 
@@ -262,11 +263,10 @@ def test_hit_sources_by_store_and_multi_split_by_tier(tmp_path: Path) -> None:
     disk.put_many([(k, [b"x"]) for k in keys[:4]])
 
     def sources(store: object, tokens: int) -> dict[Source, int]:
-        hooks = FleetHooks()
-        hooks.half, hooks.layout, hooks._shape = SimpleNamespace(store=store), layout, RankSlice()
-        hooks._fleet_setup(SimpleNamespace(kv_events_config=None), worker=False)
-        hooks._fleet_looked_up(KVRequest("r", prompt), 0, tokens)
-        return hooks.get_external_cache_hit_sources(SimpleNamespace(request_id="r"), tokens)
+        half = SimpleNamespace(store=store)  # a scheduler half over ``store``, as the fleet side reads one
+        fleet = SchedulerFleet(half, layout, RankSlice(), RequestTracker(), events_on=False)  # type: ignore[arg-type]
+        fleet.looked_up(KVRequest("r", prompt), 0, tokens)
+        return fleet.hit_sources(SimpleNamespace(request_id="r"), tokens)
 
     assert sources(disk, 16) == {Source.DISK: 16}
     assert sources(host, 8) == {Source.HOST: 8}

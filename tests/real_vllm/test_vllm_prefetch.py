@@ -1,4 +1,4 @@
-"""Prefetch at lookup (``transfer.async_load=prefetch``) inside real vLLM engines (issue 17, item 4).
+"""Prefetch at lookup (``transfer.async_load=prefetch``) inside real vLLM engines.
 
 A lookup that finds a hit answers vLLM "ask again" while kvdi's worker fetches the hit into bounded host
 staging (the request holds no KV block meanwhile); the worker's report travels back through vLLM's

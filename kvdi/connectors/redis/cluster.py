@@ -35,7 +35,7 @@ from redis.retry import Retry
 
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.redis.bounded import Bounds
-from kvdi.connectors.redis.breaker import BreakerOpenError, CircuitBreaker
+from kvdi.connectors.redis.breaker import BreakerOpenError, BreakerState, CircuitBreaker
 from kvdi.connectors.redis.server import (
     Exchange,
     RedisNode,
@@ -106,6 +106,10 @@ class RedisClusterBlockStore:
     def breakers(self) -> dict[str, CircuitBreaker]:
         """The breaker of every node called so far, by ``host:port``."""
         return {name: node.breaker for name, node in self._nodes.items()}
+
+    def health(self) -> dict[str, bool]:
+        """:class:`~kvdi.connectors.store.HealthStore`: each node called so far, False while its breaker is open."""
+        return {name: breaker.state is not BreakerState.OPEN for name, breaker in self.breakers.items()}
 
     # BlockStore protocol
 

@@ -36,7 +36,7 @@ from redis.retry import Retry
 
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.redis.bounded import INFO, SMALL, Bounds, CutReplies, read_replies
-from kvdi.connectors.redis.breaker import BreakerOpenError, CircuitBreaker
+from kvdi.connectors.redis.breaker import BreakerOpenError, BreakerState, CircuitBreaker
 from kvdi.connectors.redis.wire import (
     describe,
     object_or_none,
@@ -359,6 +359,10 @@ class RedisBlockStore:
     def discard(self, key: bytes) -> None:
         """``DEL`` one key (absent keys are fine); raises ConnectionError while the breaker is open."""
         self._replies(Exchange(self.node, [pack_command(b"DEL", self._name(key))], 1, "discard"))
+
+    def health(self) -> dict[str, bool]:
+        """:class:`~kvdi.connectors.store.HealthStore`: the server, False while its circuit breaker is open."""
+        return {str(self.node.label): self.node.breaker.state is not BreakerState.OPEN}
 
     def check(self) -> str:
         """Reach the server: not a cluster node, stores a probe, room for a frame; a summary, or ConfigError."""

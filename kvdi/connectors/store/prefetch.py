@@ -34,10 +34,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvdi.connectors.base import BlockTransfer, ConnectorStats
+from kvdi.connectors.base import BlockTransfer
 from kvdi.connectors.store.framing import Buffer
 from kvdi.connectors.store.keys import KEY_BYTES
-from kvdi.connectors.store.protocol import BlockStore, StoreCapabilities
+from kvdi.connectors.store.protocol import BlockStore
 
 if TYPE_CHECKING:
     from kvdi.settings import TransferSettings
@@ -349,37 +349,4 @@ def lookup_round_trip(store: BlockStore, tries: int = 5) -> float | None:
     return min(times)
 
 
-_STAGED = StoreCapabilities(read_into=False, prefers_async_load=False, num_slots=None, check=None)  # host staging
-
-
-class PrefetchWorker:
-    """The worker half's side of prefetch at lookup (mixed into the store worker half, which sets ``staging``)."""
-
-    store: BlockStore
-    capabilities: StoreCapabilities
-    staging: HostStaging | None
-    stats: ConnectorStats
-
-    def prefetch_reports(self) -> list[tuple[str, int]]:
-        """Prefetches finished since the last call, ``(request, leading blocks staged)``, for the scheduler half;
-        those the store failed are counted in ``load_failures`` (a miss, recomputed)."""
-        if self.staging is None:
-            return []
-        reports, failed = self.staging.reports()
-        self.stats.load_failures += failed
-        return reports
-
-    def _source(self, request_id: str) -> tuple[BlockStore, StoreCapabilities]:
-        """Where a request's load reads: its prefetched host staging (taken whole, then the store), else the store."""
-        staged = self.staging.take(request_id) if self.staging is not None else None
-        return (staged, _STAGED) if staged is not None else (self.store, self.capabilities)
-
-    def _prefetch_wait(self, timeout_s: float, loads_in_flight: int) -> bool | None:
-        """On an idle step with prefetches but no loads in flight: wait up to ``timeout_s`` for one (GIL released),
-        True once one ended; None when that is not the case (the caller waits for its loads)."""
-        if self.staging is None or loads_in_flight or not self.staging.in_flight:
-            return None
-        return self.staging.wait(timeout_s)
-
-
-__all__ = ["ASK_AGAIN", "HostStaging", "PrefetchPlanner", "PrefetchWorker", "StagedReader", "lookup_round_trip"]
+__all__ = ["ASK_AGAIN", "HostStaging", "PrefetchPlanner", "StagedReader", "lookup_round_trip"]

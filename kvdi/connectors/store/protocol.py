@@ -22,6 +22,15 @@ capability                  what it is for                                      
 ``prefetch(keys) -> bool``  start reading objects ahead of the loads (several objects   none
                             in flight on a cold medium); True while that pays
                             (:class:`PrefetchStore`)
+``hit_source``              class attribute: the kind of tier that serves a hit (vLLM's  ``external_unspecified``
+                            ``CacheHitSource``: ``host``, ``disk``, ``p2p``)
+                            (:class:`~kvdi.connectors.base.DeclaresHitSource`)
+``watch_evictions(evicted)``  call ``evicted(key)`` for each object the store drops on    none
+                            its own (LRU, size cap): KV cache events (:class:`EvictingStore`)
+``parts()``                 a composite's stores (multi's tiers, a wrapper's backend):   none
+                            hit sources, events and health per part (:class:`CompositeStore`)
+``health()``                by node label, True while it serves, False while its         none
+                            circuit breaker refuses calls (:class:`HealthStore`)
 ==========================  ==========================================================  ===========
 
 The conformance suite :mod:`kvdi.testing.conformance` checks a store against all of this.
@@ -29,12 +38,15 @@ The conformance suite :mod:`kvdi.testing.conformance` checks a store against all
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from kvdi.connectors.base import ConnectorContext
+from kvdi.connectors.base import REMOTE_HIT_SOURCE, ConnectorContext, DeclaresHitSource
 from kvdi.connectors.store.framing import Buffer
+
+HIT_SOURCES = ("device", "host", "p2p", "disk", REMOTE_HIT_SOURCE)
+"""The values a ``hit_source`` may take: vLLM's ``CacheHitSource`` (``vllm.v1.metrics.cache_hit_source``)."""
 
 
 @runtime_checkable
@@ -123,6 +135,70 @@ class PrefetchStore(Protocol):
         ...
 
 
+@runtime_checkable
+class AsyncLoadStore(Protocol):
+    """Optional capability: a class attribute saying whether reads are remote or cold (:func:`prefers_async_load`)."""
+
+    prefers_async_load: bool
+
+
+@runtime_checkable
+class SlottedStore(Protocol):
+    """Optional capability: how many blocks the store holds at most (a positive int; None or anything else: unknown)."""
+
+    num_slots: int | None
+
+
+@runtime_checkable
+class EvictingStore(Protocol):
+    """Optional capability: tell a watcher which objects the store drops on its own (KV cache events)."""
+
+    def watch_evictions(self, evicted: Callable[[bytes], None]) -> None:
+        """From now on call ``evicted(key)`` for each object the store evicts on its own (LRU, a size cap).
+
+        Never for :meth:`BlockStore.discard`; called from whichever thread evicts, so ``evicted``
+        must be cheap and thread-safe (the vLLM adapter passes a bounded deque's ``append``).
+        One watcher: a second call replaces the first.
+        """
+        ...
+
+
+@runtime_checkable
+class CompositeStore(Protocol):
+    """Optional capability: a store made of other stores (multi's tiers, a wrapper over one backend)."""
+
+    def parts(self) -> Sequence[BlockStore]:
+        """The stores this one reads from, in the order it tries them; hit sources, KV cache events and
+        health are those of the parts (:func:`leaf_stores`)."""
+        ...
+
+
+@runtime_checkable
+class HealthStore(Protocol):
+    """Optional capability: the health of the medium's circuit breakers (a Prometheus gauge per node)."""
+
+    def health(self) -> Mapping[str, bool]:
+        """By node label (a server, a cluster node, a file): True while it serves, False while calls to it are
+        refused (its circuit breaker is open). Cheap and never raising: the vLLM adapter asks once per step."""
+        ...
+
+
+OPTIONAL_CAPABILITIES: tuple[type, ...] = (
+    ReadIntoStore,
+    ViewStore,
+    PrefetchStore,
+    AsyncLoadStore,
+    SlottedStore,
+    CheckedStore,
+    DeclaresHitSource,
+    EvictingStore,
+    CompositeStore,
+    HealthStore,
+)
+"""Every optional capability a store may declare, read by :meth:`StoreCapabilities.of` (``docs/store-backend.md``
+lists the same, a test keeps them equal)."""
+
+
 @dataclass(frozen=True)
 class StoreCapabilities:
     """Every optional capability of one store, read once (protocol checks are slow: not per call)."""
@@ -133,11 +209,15 @@ class StoreCapabilities:
     check: Callable[[], str] | None
     prefetch: Callable[[Sequence[bytes]], bool] | None = None
     visit: bool = False
+    hit_source: str = REMOTE_HIT_SOURCE
+    watch_evictions: Callable[[Callable[[bytes], None]], None] | None = None
+    parts: tuple[BlockStore, ...] = ()
+    health: Callable[[], Mapping[str, bool]] | None = None
 
     @classmethod
     def of(cls, store: object) -> StoreCapabilities:
         """The capabilities ``store`` declares; anything it does not declare takes its default."""
-        slots = getattr(store, "num_slots", None)
+        slots = store.num_slots if isinstance(store, SlottedStore) else None
         return cls(
             read_into=isinstance(store, ReadIntoStore),
             prefers_async_load=prefers_async_load(store),
@@ -145,7 +225,24 @@ class StoreCapabilities:
             check=store.check if isinstance(store, CheckedStore) else None,
             prefetch=store.prefetch if isinstance(store, PrefetchStore) else None,
             visit=isinstance(store, ViewStore),
+            hit_source=str(store.hit_source) if isinstance(store, DeclaresHitSource) else REMOTE_HIT_SOURCE,
+            watch_evictions=store.watch_evictions if isinstance(store, EvictingStore) else None,
+            parts=tuple(p for p in store.parts() if id(p) != id(store)) if isinstance(store, CompositeStore) else (),
+            health=store.health if isinstance(store, HealthStore) else None,
         )
+
+
+def leaf_stores(store: BlockStore) -> list[BlockStore]:
+    """The stores that hold blocks: ``store`` itself, or the leaves of its parts (:class:`CompositeStore`)."""
+    parts = StoreCapabilities.of(store).parts
+    return [leaf for part in parts for leaf in leaf_stores(part)] if parts else [store]
+
+
+def health_checks(store: object) -> list[Callable[[], Mapping[str, bool]]]:
+    """The :meth:`HealthStore.health` of ``store`` and of every store it is made of, found once."""
+    caps = StoreCapabilities.of(store)
+    own = [caps.health] if caps.health is not None else []
+    return own + [check for part in caps.parts for check in health_checks(part)]
 
 
 def require_store(context: ConnectorContext) -> BlockStore:
@@ -167,7 +264,7 @@ def prefers_async_load(store: object) -> bool:
     before it; a local, warm store leaves it False (a synchronous load there costs less
     than the step of latency an asynchronous one adds).
     """
-    return bool(getattr(store, "prefers_async_load", False))
+    return bool(store.prefers_async_load) if isinstance(store, AsyncLoadStore) else False
 
 
 def written_count(result: object, count: int) -> int:
@@ -180,12 +277,21 @@ def written_count(result: object, count: int) -> int:
 
 
 __all__ = [
+    "HIT_SOURCES",
+    "OPTIONAL_CAPABILITIES",
+    "AsyncLoadStore",
     "BlockStore",
     "CheckedStore",
+    "CompositeStore",
+    "EvictingStore",
+    "HealthStore",
     "PrefetchStore",
     "ReadIntoStore",
+    "SlottedStore",
     "StoreCapabilities",
     "ViewStore",
+    "health_checks",
+    "leaf_stores",
     "prefers_async_load",
     "require_store",
     "written_count",

@@ -26,23 +26,12 @@ from kvdi.connectors.base import (
 )
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.keys import block_keys
+from kvdi.connectors.store.load_policy import ASYNC_LOAD_MIN_BYTES, AUTO_PREFETCH_LOOKUP_S, LoadPolicy
 from kvdi.connectors.store.plan import RequestPlan
-from kvdi.connectors.store.prefetch import ASK_AGAIN, PrefetchPlanner, lookup_round_trip
-from kvdi.connectors.store.protocol import prefers_async_load, require_store
+from kvdi.connectors.store.prefetch import ASK_AGAIN, PrefetchPlanner
+from kvdi.connectors.store.protocol import require_store
 
 logger = logging.getLogger(__name__)
-
-ASYNC_LOAD_MIN_BYTES = 16 << 20
-"""Under ``async_load=auto``, a hit at least this large loads asynchronously even from a local store:
-reading and verifying it (about 2-4 GB/s here) takes longer than the step of latency an async load adds."""
-
-AUTO_PREFETCH_LOOKUP_S = 1e-3
-"""Under ``async_load=auto`` with a host that relays prefetch reports (vLLM): a store that says it is remote
-(``prefers_async_load``) or whose lookup round trip (the fastest of 5 at start) takes at least this long (a store
-across a network) loads its hits through prefetch at lookup. Measured (``benchmarks/vllm/bench_remote.py``, Redis
-behind a proxy): on loopback a synchronous load is the cheapest; at 1 and 5 ms each way prefetch's loading round
-stays within 1.0x of (local hit + raw transfer) where a synchronous one takes 1.05x and 1.71x and stalls the tail
-of running requests' inter-token latency (p90 2.6x at 5 ms)."""
 
 
 @dataclass(frozen=True)
@@ -66,23 +55,23 @@ class StoreSchedulerConnector(SchedulerConnector):
         self._transfer = context.settings.transfer
         self._plans: dict[str, RequestPlan] = {}
         self._async_loads: dict[str, BlockTransfer] = {}
+        self.load_policy = LoadPolicy(self._transfer, self.store, self._block_bytes)  # sync, background, prefetch
         self.prefetch: PrefetchPlanner | None = None  # set by a host that relays the worker's reports
-        self.lookup_s: float | None = None  # the store's lookup round trip, measured under auto (:meth:`_remote`)
 
-    def enable_prefetch(self) -> bool:
-        """Called by a host that relays :meth:`prefetched` reports (the vLLM adapter); True when lookups prefetch
-        into host staging from now on: ``transfer.async_load=prefetch``, or ``auto`` for a remote store
-        (:data:`AUTO_PREFETCH_LOOKUP_S`; :attr:`lookup_s` holds the measured round trip)."""
-        mode = self._transfer.async_load
-        if self.prefetch is None and (mode == "prefetch" or (mode == "auto" and self._remote())):
-            frame = self._block_bytes + HEADER_SIZE
-            self.prefetch = PrefetchPlanner(self._transfer.prefetch_max_bytes, frame, self._transfer.prefetch_timeout_s)
+    def enable_prefetch(self, unavailable: str | None = None) -> bool:
+        """Called once by a host that relays :meth:`prefetched` reports (the vLLM adapter), with why prefetch cannot
+        run there (None: it can); True when lookups prefetch into host staging from now on, as the load policy
+        decides (:meth:`~.load_policy.LoadPolicy.decide_prefetch`)."""
+        if self.load_policy.decide_prefetch(unavailable) and self.prefetch is None:
+            self.prefetch = PrefetchPlanner(
+                self._transfer.prefetch_max_bytes, self._block_bytes + HEADER_SIZE, self._transfer.prefetch_timeout_s
+            )
         return self.prefetch is not None
 
-    def _remote(self) -> bool:
-        """Whether the store is across a network: it says so, or a lookup takes :data:`AUTO_PREFETCH_LOOKUP_S`."""
-        self.lookup_s = lookup_round_trip(self.store)
-        return prefers_async_load(self.store) or (self.lookup_s or 0.0) >= AUTO_PREFETCH_LOOKUP_S
+    @property
+    def lookup_s(self) -> float | None:
+        """The store's lookup round trip in seconds, once the load policy measured it (``auto``)."""
+        return self.load_policy.lookup_s
 
     def prefetched(self, reports: Iterable[tuple[str, int]]) -> None:
         """The worker half's reports of finished prefetches: ``(request, leading blocks staged)``."""
@@ -97,13 +86,10 @@ class StoreSchedulerConnector(SchedulerConnector):
         return plan
 
     def load_async(self, num_blocks: int) -> bool:
-        """Whether a hit of ``num_blocks`` loads asynchronously under ``transfer.async_load``."""
-        mode = self._transfer.async_load
-        if mode in ("on", "off"):
-            return mode == "on"  # prefetch without a host that relays its reports, or past its bound: auto
-        return prefers_async_load(self.store) or num_blocks * self._block_bytes >= ASYNC_LOAD_MIN_BYTES
+        """Whether a hit of ``num_blocks`` loads asynchronously under ``transfer.async_load`` (the load policy)."""
+        return self.load_policy.background(num_blocks)
 
-    def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: KVRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens to load beyond ``num_computed_tokens`` and whether the load is asynchronous; with prefetch,
         ``(None, False)`` (ask again) while the hit is fetched into host staging, then a synchronous load
         of exactly the blocks that arrived (no second lookup in the store)."""
@@ -111,7 +97,7 @@ class StoreSchedulerConnector(SchedulerConnector):
             first = num_computed_tokens // self._block_size
             ready = self.prefetch.ready(request.request_id, first)
             if ready is ASK_AGAIN:
-                return None, False  # type: ignore[return-value]  # vLLM's "ask again": the request waits a step
+                return None, False  # "ask again": the request waits a step
             if ready >= 0:
                 plan = self._plan(request)
                 plan.load_accepted, plan.load_async = False, False
@@ -122,7 +108,7 @@ class StoreSchedulerConnector(SchedulerConnector):
             plan = self._plans[request.request_id]
             if self.prefetch.start(request.request_id, plan.load_start, plan.keys[plan.load_start : plan.load_end]):
                 plan.load_start = plan.load_end = 0
-                return None, False  # type: ignore[return-value]
+                return None, False
         return n, load_async
 
     def _lookup(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool]:

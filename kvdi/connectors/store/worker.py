@@ -4,19 +4,17 @@ Every object it loads is verified; anything odd (a bad frame, a vanished object,
 call raises) is a counted miss, never an exception: the blocks before it stay loaded, the rest are
 reported through ``get_block_ids_with_load_errors``.
 
-Asynchronous transfers (``transfer.async_save``, ``transfer.async_load``, see :mod:`kvdi.connectors.store.scheduler`)
-run on a :class:`TransferQueue`. The invariant: no block's bytes are read or written after the engine may have
-reused the block. A CPU cache is read in place by the background writer, so a request with asynchronous transfers
-keeps its blocks (the scheduler half answered ``delay_free``) until this half reports it as finished sending in
-:meth:`get_finished`, after its last job; :meth:`handle_preemptions` flushes the jobs of requests whose blocks the
-engine takes back at once. A device cache is copied out to host staging on the engine thread (pinned; background
-loads copy in on a side stream that waits for the compute queued at hand-over: :mod:`kvdi.connectors.streams`).
+Asynchronous transfers (``transfer.async_save``, ``transfer.async_load``: :mod:`.scheduler`) run on a
+:class:`TransferQueue`. The invariant: no block's bytes are read or written after the engine may have reused the
+block. A request with asynchronous transfers keeps its blocks (``delay_free``) until this half reports it finished
+sending in :meth:`get_finished`, after its last job; :meth:`handle_preemptions` flushes the jobs of requests whose
+blocks the engine takes back at once. A device cache is copied out to host staging on the engine thread (pinned;
+background loads copy in on a side stream after the compute queued at hand-over: :mod:`kvdi.connectors.streams`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
@@ -33,11 +31,12 @@ from kvdi.connectors.base import (
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer, frame_header, unframe
 from kvdi.connectors.store.integrity import frame_key
-from kvdi.connectors.store.prefetch import HostStaging, PrefetchWorker
+from kvdi.connectors.store.prefetch import HostStaging
 from kvdi.connectors.store.protocol import StoreCapabilities, require_store, written_count
 from kvdi.connectors.store.reads import Readahead, ReadChunk, read_chunk, verify_chunk
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue, add_stats
+from kvdi.connectors.store.worker_prefetch import WorkerPrefetch
 
 if TYPE_CHECKING:
     import torch
@@ -49,15 +48,14 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20  # payload bytes per store call (at least one block): stays in L2 between checksum and copy
 READAHEAD_BYTES = 64 << 20  # how far ahead of the chunk being read a store with prefetch() is asked to read
 _IO_THREAD = {"on": True, "off": False, "auto": None}
+_Pieces = list[list[memoryview]]  # each block's pieces, copied out of a device cache
 
 
-class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
+class StoreWorkerConnector(WorkerConnector):
     """Copies blocks between the paged cache and framed objects; a bad object is a miss, never an exception.
 
-    Synchronous transfers run in chunks of about :data:`CHUNK_BYTES`. With ``io_thread`` on
-    (``transfer.io_thread``; a CPU cache), one I/O thread overlaps the store calls (which
-    release the GIL) with checksumming (which holds it).
-    """
+    Synchronous transfers run in chunks of about :data:`CHUNK_BYTES`. With ``io_thread`` on (``transfer.io_thread``;
+    a CPU cache), one I/O thread overlaps the store calls (which release the GIL) with checksums (which hold it)."""
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
@@ -65,8 +63,7 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
         self.capabilities = StoreCapabilities.of(self.store)  # protocol checks are slow: once, here
         layout = context.layout
         transfer = context.settings.transfer
-        self.io_thread: bool | None = _IO_THREAD[transfer.io_thread]
-        """Overlap synchronous store calls with checksums (None: with 4+ usable CPUs); ``transfer.io_thread``."""
+        self.io_thread: bool | None = _IO_THREAD[transfer.io_thread]  # overlap store calls (None: with 4+ CPUs)
         self._fingerprint = layout.fingerprint()
         self._key = frame_key(context.settings)  # None unless KVDI_INTEGRITY_KEY(_FILE) is set
         self._block_bytes = layout.block_bytes
@@ -79,13 +76,16 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
         self._cpus: int | None = None
         self._queue = TransferQueue(self.name, transfer.max_inflight_bytes, load_threads=transfer.load_threads)
         self.staging = HostStaging.of(self.store, transfer, self._frame_bytes, self.name)  # :mod:`.prefetch`
+        self.prefetching = WorkerPrefetch(self.store, self.capabilities, self.staging, self.stats)
         self._async_save = transfer.async_save
         self._held: set[str] = set()  # requests with asynchronous transfers: reported when finished and done
         self._finishing: set[str] = set()
         self._received: set[str] = set()
         self._logged: set[str] = set()
-        # When set (the vLLM adapter's KV cache events): (True, key) per landed save, (False, key) per corrupt drop.
-        self.block_events: deque[tuple[bool, bytes]] | None = None
+        self._block_event: Callable[[bool, bytes], None] | None = None  # :meth:`watch_blocks` (KV cache events)
+
+    def watch_blocks(self, event: Callable[[bool, bytes], None]) -> None:  # :class:`..base.BlockEventSource`
+        self._block_event = event
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         from kvdi.connectors.store.blockio import CacheIOs
@@ -97,8 +97,15 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
         self._ios = CacheIOs(tensors, layout.layer_block_bytes, self._chunk, self.context.staging, f"{self.name}/store")
 
     @property
-    def inflight_bytes(self) -> int:  # queued asynchronous saves: a gauge for the vLLM adapter's metrics
+    def inflight_bytes(self) -> int:  # queued asynchronous saves: a gauge (:class:`~kvdi.connectors.base.WorkerGauges`)
         return self._queue.inflight_bytes
+
+    @property
+    def staged_bytes(self) -> int | None:  # prefetched bytes in host staging: a gauge; None without staging
+        return self.prefetching.staged_bytes
+
+    def prefetch_reports(self) -> list[tuple[str, int]]:  # :class:`~kvdi.connectors.base.PrefetchingWorker`
+        return self.prefetching.reports()
 
     def _cache(self) -> CacheIO:
         return self._cache_ios().io
@@ -109,8 +116,7 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
         return self._ios
 
     def _overlap(self, io: CacheIO) -> bool:
-        """Whether store calls overlap checksums on other threads (``io_thread``); never for device caches,
-        whose staging rows are reused chunk after chunk."""
+        """Whether store calls overlap checksums on other threads (``io_thread``; never on a device cache)."""
         use = self.io_thread
         if use is None:
             if self._cpus is None:
@@ -121,8 +127,7 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
         return io.direct and use
 
     def _background(self, io: CacheIO, fetch: bool = False) -> ThreadPoolExecutor | None:
-        """When transfers overlap (:meth:`_overlap`): the I/O thread of synchronous transfers, or (``fetch``) the
-        fetch threads of background loads (one read ahead per running load)."""
+        """When transfers overlap: the I/O thread of synchronous transfers, or (``fetch``) background load fetchers."""
         if not self._overlap(io):
             return None
         if fetch and self._fetcher is None:
@@ -142,8 +147,7 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
         super().bind_connector_metadata(metadata)
         if isinstance(metadata, StoreTransferMetadata):
             self._held.update(t.request_id for t in metadata.async_loads)
-            if self.staging is not None:
-                self.staging.apply(metadata.prefetches, metadata.prefetch_drops)
+            self.prefetching.apply(metadata.prefetches, metadata.prefetch_drops)
         if isinstance(metadata, BlockTransferMetadata) and self._async_save:
             self._held.update(t.request_id for t in metadata.saves)
 
@@ -171,7 +175,7 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
         return sending or None, received or None
 
     def wait_for_loads(self, timeout_s: float) -> bool:  # up to timeout_s, GIL released; True once a load finished
-        staged = self._prefetch_wait(timeout_s, self._queue.loads_in_flight)  # only prefetches in flight
+        staged = self.prefetching.wait(timeout_s, self._queue.loads_in_flight)  # only prefetches in flight
         return self._queue.wait_loads(timeout_s) if staged is None else staged
 
     def handle_preemptions(self, preempted_req_ids: Collection[str] | None = None) -> None:
@@ -199,7 +203,7 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
                     self.report_load_error(self._load_request(io, transfer, self.stats, self._background(io)))
         if isinstance(meta, StoreTransferMetadata) and meta.async_loads:
             ios = self._cache_ios()  # the jobs copy into this registration's caches, whenever they run
-            fence = ios.io.fence()  # CUDA: the jobs' copies follow the compute queued so far (issue 22)
+            fence = ios.io.fence()  # CUDA: the jobs' copies follow the compute queued so far
             fetch = self._background(ios.io, fetch=True)  # made here: job threads never race to make it
             for transfer in meta.async_loads:
                 job = partial(self._load_job, ios, transfer, fence, fetch)
@@ -223,7 +227,7 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
         """Load one request's blocks chunk by chunk; return the block ids not loaded (from the first bad one on)."""
         ids, keys = transfer.block_ids, transfer.block_keys
         spans = [(s, min(s + self._chunk, len(ids))) for s in range(0, len(ids), self._chunk)]
-        store, caps = self._source(transfer.request_id)
+        store, caps = self.prefetching.source(transfer.request_id)
         read = partial(read_chunk, store, caps, self._unframe, io)
         readahead = Readahead(caps.prefetch, keys, self._readahead)
         ahead = executor.submit(read, ids[: spans[0][1]], keys[: spans[0][1]]) if executor and spans else None
@@ -279,8 +283,8 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
 
     def discard(self, key: bytes) -> None:
         """Drop one bad object from the store; a failure is logged, never raised."""
-        if self.block_events is not None:
-            self.block_events.append((False, key))
+        if self._block_event is not None:
+            self._block_event(False, key)
         try:
             self.store.discard(key)
         except Exception as exc:
@@ -314,13 +318,8 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
             self._queue.submit_save(transfer.request_id, len(ids[span]) * self._block_bytes, ids[span], job)
 
     def _save_job(
-        self,
-        ios: CacheIOs,
-        io: CacheIO,
-        request_id: str,
-        ids: Sequence[int],
-        keys: Sequence[bytes],
-        pieces: list[list[memoryview]] | None,
+        self, ios: CacheIOs, io: CacheIO, request_id: str, ids: Sequence[int], keys: Sequence[bytes],
+        pieces: _Pieces | None,
     ) -> Outcome:
         out = Outcome(request_id, False)
         try:
@@ -366,8 +365,9 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
         if written < count:
             self._log_once("save:partial", "the store wrote %d of %d blocks", written, count)
         stats.save_failures += count - written
-        if self.block_events is not None and written == count:  # which of a partial batch landed is unknown
-            self.block_events.extend((True, k) for k in keys)
+        if self._block_event is not None and written == count:  # which of a partial batch landed is unknown
+            for key in keys:
+                self._block_event(True, key)
         stats.saved_blocks += written
         stats.saved_bytes += written * self._block_bytes
 
@@ -375,8 +375,7 @@ class StoreWorkerConnector(PrefetchWorker, WorkerConnector):
         """Finish every queued transfer, then stop the threads."""
         self.flush()
         self._queue.shutdown()
-        if self.staging is not None:
-            self.staging.shutdown()
+        self.prefetching.shutdown()
         for pool in (self._executor, self._fetcher):
             if pool is not None:
                 pool.shutdown(wait=True)

@@ -10,20 +10,31 @@ Select it with::
                                    "kvdi.shared_storage.path": "/tmp/kv"},
     )
 
-The package is split by concept; only :mod:`.connector` and :mod:`.envelopes` import vLLM:
+The package is split by concept (a test keeps this map equal to the folder); only
+:mod:`.connector`, :mod:`.envelopes`, :mod:`.scheduler_side`, :mod:`.worker_side`,
+:mod:`.fleet.events` and :mod:`.fleet.prom` import vLLM:
 
-- :mod:`.connector`: :class:`KvdiConnector`, vLLM's ``KVConnectorBase_V1`` over kvdi's halves;
+- :mod:`.connector`: :class:`KvdiConnector`, vLLM's ``KVConnectorBase_V1``, thin: it builds the
+  role's side and forwards vLLM's calls to it;
+- :mod:`.scheduler_side` / :mod:`.worker_side`: the scheduler and worker roles, each over kvdi's half
+  and the collaborators it takes in its constructor;
+- :mod:`.fleet`: kvdi seen by the fleet (KV cache events, hit sources, Prometheus series, stats files);
 - :mod:`.envelopes`: kvdi's metadata and counters in vLLM's envelope types;
 - :mod:`.config`: kvdi settings from vLLM's config (``kvdi.*`` extra-config keys, role, engine id);
 - :mod:`.layout`: kvdi's :class:`~kvdi.layout.KVCacheSpec` of vLLM's cache, per-layer block views;
 - :mod:`.bridge`: a scratch cache for layouts whose blocks are not contiguous;
 - :mod:`.requests`: vLLM requests and scheduler output as kvdi's;
 - :mod:`.block_index`: the scheduler's key-only view of a worker-local store;
-- :mod:`.stats`: per-step counter deltas and the ``kvdi_stats_dir`` files;
+- :mod:`.parallel`: tensor and pipeline parallelism, a slice of each block per rank;
+- :mod:`.async_loads`: asynchronous loads reported in the step they finish;
+- :mod:`.pending`: held saves and idle-step waits, as vLLM's scheduler and workers ask about them;
+- :mod:`.prefetch`: prefetch at lookup started once per scheduler half, as the load policy decides;
 - :mod:`.shared`: one kvdi container per engine id per process;
 - :mod:`.halves`: the kvdi half behind a connector (one container's, or one per KV cache group);
 - :mod:`.groups` / :mod:`.hybrid`: vLLM's KV cache groups (sliding window, Mamba) planned,
-  keyed, stored and loaded per group (``SupportsHMA``).
+  keyed, stored and loaded per group (``SupportsHMA``);
+- :mod:`.weights`: the identity of the model's weights in the layout fingerprint;
+- :mod:`.plugin`: the ``vllm.general_plugins`` entry point that registers :class:`KvdiConnector`.
 
 ``KvdiConnector`` is resolved lazily (module ``__getattr__``), so importing this package or
 its vLLM-free modules never imports vLLM; vLLM's ``getattr(module, "KvdiConnector")`` does.

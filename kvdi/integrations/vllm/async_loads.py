@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvdi.integrations.vllm.stats import AdapterStats
+from kvdi.integrations.vllm.fleet.stats import AdapterStats
 
 
 class SchedulerLoads:

@@ -6,6 +6,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from kvdi.connectors.store.protocol import StoreCapabilities
+
 
 class BlockIndex:
     """A :class:`~kvdi.connectors.store.BlockStore` of keys only, for the scheduler half of a process-local store.
@@ -56,5 +58,4 @@ class BlockIndex:
 
 def store_capacity_blocks(backend: object) -> int | None:
     """How many blocks ``backend`` holds at most, when it says so (``num_slots``), else None."""
-    slots = getattr(backend, "num_slots", None)
-    return int(slots) if isinstance(slots, int) else None
+    return StoreCapabilities.of(backend).num_slots

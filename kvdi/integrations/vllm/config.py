@@ -16,38 +16,17 @@ from kvdi.errors import ConfigError
 from kvdi.integrations.vllm.weights import weights_identity
 from kvdi.registry import ConnectorSpec
 from kvdi.settings import load_settings
-from kvdi.settings.paths import flatten
+from kvdi.settings.vllm_compat import extra_config_overrides
 
-EXTRA_PREFIX = "kvdi."
 STATS_DIR_KEY = "kvdi_stats_dir"
 
 # --------------------------------------------------------------------------- config
 
 
 def settings_overrides(extra_config: Mapping[str, Any]) -> dict[str, Any]:
-    """Nested kvdi overrides from vLLM's extra config: ``{"kvdi.redis.url": u}`` -> ``{"redis": {"url": u}}``.
-
-    A ``"kvdi"`` key holding a mapping is merged the same way; other keys belong to vLLM
-    or other connectors and are ignored.
-    """
-    out: dict[str, Any] = {}
-    items: list[tuple[str, Any]] = []
-    nested = extra_config.get("kvdi")
-    if isinstance(nested, Mapping):
-        items.extend(flatten(nested))
-    items.extend((k[len(EXTRA_PREFIX) :], v) for k, v in extra_config.items() if k.startswith(EXTRA_PREFIX))
-    for dotted, value in items:
-        parts = [p for p in dotted.split(".") if p]
-        if not parts:
-            raise ConfigError(f"kv_connector_extra_config key {EXTRA_PREFIX + dotted!r} names no kvdi setting")
-        node = out
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"kv_connector_extra_config sets kvdi.{part} both as a value and as a section")
-            node = child
-        node[parts[-1]] = value
-    return out
+    """Nested kvdi overrides from vLLM's extra config: ``{"kvdi.redis.url": u}`` -> ``{"redis": {"url": u}}``
+    (:func:`kvdi.settings.vllm_compat.extra_config_overrides`, the one parser of it)."""
+    return extra_config_overrides(extra_config)
 
 
 def needs_block_index(spec: ConnectorSpec, vllm_config: Any) -> bool:

@@ -18,12 +18,13 @@ from typing import Any, cast
 from dependency_injector import providers
 
 from kvdi.connectors.base import ConnectorContext, KVConnectorRole, SchedulerConnector, WorkerConnector
+from kvdi.connectors.store.protocol import BlockStore
 from kvdi.containers import KVTransferContainer
 from kvdi.errors import ConfigError
 from kvdi.integrations.vllm.block_index import BlockIndex, store_capacity_blocks
 from kvdi.integrations.vllm.groups import GroupSpec, group_layout
 from kvdi.integrations.vllm.hybrid import HybridScheduler, HybridWorker
-from kvdi.integrations.vllm.parallel import AllRanksStore, KeyLookup, RankSlice
+from kvdi.integrations.vllm.parallel import AllRanksStore, RankSlice
 from kvdi.integrations.vllm.requests import RequestTracker
 from kvdi.integrations.vllm.shared import SHARED
 from kvdi.layout import KVCacheSpec
@@ -45,7 +46,7 @@ def open_single(
     if index_mode:
         index = block_index(container)
     elif shape.sliced:
-        backend = cast(KeyLookup, container.backend())
+        backend = cast(BlockStore, container.backend())
         container.backend.override(providers.Object(AllRanksStore(backend, shape)))
     elif (only := container.connector().spec.scheduler_backend) and worker_elsewhere:
         # p2p: the worker process pairs; this process must not bind the rendezvous store too
@@ -115,7 +116,7 @@ def open_hybrid(
         if worker:
             halves = [cast(WorkerConnector, c.worker_connector()) for c in per_group]
             return HybridWorker(context, groups, halves, shape, release=lambda: _release(ids))
-        stores = [cast(KeyLookup, c.backend()) for c in per_group]
+        stores: list[BlockStore] = [cast(BlockStore, c.backend()) for c in per_group]
         if shape.sliced:
             stores = [AllRanksStore(s, shape) for s in stores]
         return HybridScheduler(context, groups, layouts, stores, tracker, release=lambda: _release(ids))

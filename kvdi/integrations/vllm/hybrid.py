@@ -22,6 +22,7 @@ from kvdi.connectors.base import (
     ConnectorContext,
     KVConnectorMetadata,
     KVRequest,
+    PreemptionAware,
     SchedulerConnector,
     SchedulerOutput,
     WorkerConnector,
@@ -292,9 +293,8 @@ class HybridWorker(WorkerConnector):
 
     def handle_preemptions(self, preempted_req_ids: Collection[str] | None = None) -> None:
         for half in self.halves:
-            flush = getattr(half, "handle_preemptions", None)
-            if callable(flush):
-                flush(preempted_req_ids)
+            if isinstance(half, PreemptionAware):
+                half.handle_preemptions(preempted_req_ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """A request is reported once every group that had its transfers reported it."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata
+from kvdi.connectors.store.protocol import BlockStore
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 
 
@@ -91,9 +92,13 @@ class AllRanksStore:
     payloads); closing it leaves the backend to its owner.
     """
 
-    def __init__(self, backend: KeyLookup, shape: RankSlice) -> None:
+    def __init__(self, backend: BlockStore, shape: RankSlice) -> None:
         self.backend = backend
         self.ranks = shape.ranks()
+
+    def parts(self) -> list[BlockStore]:
+        """:class:`~kvdi.connectors.store.CompositeStore`: the wrapped backend (its hit source and health)."""
+        return [self.backend]
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         n = len(keys)

@@ -10,16 +10,16 @@
 - :func:`wait_for_loads` (worker role): on a step that schedules nothing, wait a bounded time
   (``transfer.idle_load_wait_ms``) for an asynchronous load to finish before answering, so
   vLLM's empty steps do not spin against the loader thread for the GIL.
-- :class:`PendingWorkHooks`: the three vLLM hooks, mixed into the adapter.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
 
+from kvdi.connectors.base import LoadWaiter, WorkerConnector
 from kvdi.integrations.vllm.async_loads import WorkerLoads
+from kvdi.integrations.vllm.hybrid import HybridWorker
 
 
 class HeldSaves:
@@ -39,15 +39,32 @@ class HeldSaves:
         """vLLM's aggregated ``finished_sending``: those requests' blocks are vLLM's again."""
         self.held.difference_update(request_ids or ())
 
+    def pending_block_frees(self) -> bool:
+        """vLLM's ``has_pending_block_frees``: True while a store connector holds blocks of finished requests for
+        queued saves (they come back on their own): vLLM waits for them instead of preempting. Never for p2p,
+        whose peer may never pull."""
+        return self.best_effort and bool(self.held)
 
-def wait_for_loads(worker: Any, loads: WorkerLoads) -> None:
+    def pending_push_work(self, prefetch_drops_due: bool = False) -> bool:
+        """vLLM's ``has_pending_push_work``: True while held saves are still to be reported, so the engine steps
+        until their blocks come back, or while prefetch staging of ended requests is still to be dropped (the
+        next step tells the worker)."""
+        return bool(self.held) or prefetch_drops_due
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False for the store connectors (a best-effort cache), True otherwise (p2p delivers to a peer)."""
+        return not self.best_effort
+
+
+def wait_for_loads(worker: WorkerConnector, loads: WorkerLoads) -> None:
     """On an idle step (``loads.idle``), block up to ``loads.idle_wait_s`` until an asynchronous load of
     ``worker`` (of each KV cache group's half, for a hybrid worker) finishes; at once when none is in
     flight or the wait is off. The wait is on a condition variable: the loader thread has the GIL."""
     if not loads.idle or loads.idle_wait_s <= 0:
         return
-    halves = getattr(worker, "halves", None) or (worker,)
-    waits = [w for w in (getattr(h, "wait_for_loads", None) for h in halves) if callable(w)]
+    halves = worker.halves if isinstance(worker, HybridWorker) else (worker,)
+    waits = [h.wait_for_loads for h in halves if isinstance(h, LoadWaiter)]
     start = time.monotonic()
     deadline = start + loads.idle_wait_s
     for wait in waits:
@@ -61,27 +78,4 @@ def wait_for_loads(worker: Any, loads: WorkerLoads) -> None:
         loads.counts.idle_load_wait_seconds += waited
 
 
-class PendingWorkHooks:
-    """vLLM's ``has_pending_block_frees``, ``has_pending_push_work`` and ``requires_kv_delivery`` over the
-    :class:`HeldSaves` the class it is mixed into sets as ``_held_saves`` (only the scheduler role holds any)."""
-
-    _held_saves: HeldSaves
-
-    def has_pending_block_frees(self) -> bool:
-        """True while a store connector holds blocks of finished requests for queued saves (they come back on
-        their own): vLLM waits for them instead of preempting. Never for p2p, whose peer may never pull."""
-        return self._held_saves.best_effort and bool(self._held_saves.held)
-
-    def has_pending_push_work(self) -> bool:
-        """True while held saves are still to be reported, so the engine steps until their blocks come back,
-        or while prefetch staging of ended requests is still to be dropped (the next step tells the worker)."""
-        prefetch = getattr(getattr(self, "_scheduler", None), "prefetch", None)
-        return bool(self._held_saves.held) or bool(prefetch is not None and prefetch.drops_due)
-
-    @property
-    def requires_kv_delivery(self) -> bool:
-        """False for the store connectors (a best-effort cache), True otherwise (p2p delivers to a peer)."""
-        return not self._held_saves.best_effort
-
-
-__all__ = ["HeldSaves", "PendingWorkHooks", "wait_for_loads"]
+__all__ = ["HeldSaves", "wait_for_loads"]

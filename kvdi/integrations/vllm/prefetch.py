@@ -10,72 +10,46 @@ in-process and its multiprocess engine core alike.
 
 Prefetch runs with one KV cache group, one worker rank (no tensor or pipeline parallelism: each
 rank would stage its own slice and report on its own) and a store read by the worker itself
-(not a :class:`BlockIndex` connector); otherwise hits take ``async_load=auto``'s path, as logged. Under ``auto``
-the store half decides at start: a store that says it is remote, or whose lookup round trip measures 1 ms or
-more, prefetches (:data:`kvdi.connectors.store.scheduler.AUTO_PREFETCH_LOOKUP_S`); a local one does not.
+(not a :class:`BlockIndex` connector); otherwise hits take ``async_load=auto``'s path, as logged. The store
+half's :class:`~kvdi.connectors.store.load_policy.LoadPolicy` decides, once, at start, and says why in one line
+the adapter logs.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-from kvdi.integrations.vllm.stats import AdapterStats
+from kvdi.connectors.base import PrefetchingScheduler, SchedulerConnector
+from kvdi.integrations.vllm.parallel import RankSlice
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
 
-class PrefetchHooks:
-    """Mixed into :class:`~kvdi.integrations.vllm.connector.KvdiConnector` (which sets these attributes)."""
+def prefetch_unavailable(num_groups: int, shape: RankSlice, index_mode: bool) -> str | None:
+    """Why prefetch at lookup cannot run in this engine (it needs one KV cache group, one rank and a store the
+    worker reads itself), or None when it can."""
+    return (
+        "several KV cache groups" if num_groups > 1
+        else "tensor or pipeline parallelism" if shape.sliced
+        else "its blocks live in the worker's memory (a block index)" if index_mode
+        else None
+    )  # fmt: skip
 
-    half: Any
-    groups: list[Any]
-    counts: AdapterStats
-    _scheduler: Any
-    _worker: Any
-    _shape: Any
-    _index_mode: bool
 
-    def _prefetch_setup(self) -> None:
-        """Scheduler role: turn prefetch on in the store half when ``async_load=prefetch``, or when ``auto`` finds
-        the store remote (it says so, or its lookup round trip measures 1 ms or more), and it can run here."""
-        mode = self.half.context.settings.transfer.async_load
-        if self._scheduler is None or mode not in ("prefetch", "auto"):
-            return
-        enable = getattr(self._scheduler, "enable_prefetch", None)
-        why = (
-            "the connector has no store scheduler half" if not callable(enable)
-            else "several KV cache groups" if len(self.groups) > 1
-            else "tensor or pipeline parallelism" if self._shape.sliced
-            else "its blocks live in the worker's memory (a block index)" if self._index_mode
-            else None
-        )  # fmt: skip
-        if why is None and callable(enable) and enable():
-            rtt = getattr(self._scheduler, "lookup_s", None)
-            measured = f"; store lookup {rtt * 1e3:.2f} ms" if rtt is not None else ""
-            logger.info(
-                "kvdi: prefetch at lookup on (async_load=%s%s; host staging up to %d B)",
-                mode, measured, self._scheduler.prefetch.max_bytes,
-            )  # fmt: skip
-        elif mode == "prefetch":
-            logger.warning("kvdi: transfer.async_load=prefetch is not available here (%s); hits load as with auto", why)
-        elif why is None:
-            rtt = getattr(self._scheduler, "lookup_s", None)
-            logger.info(
-                "kvdi: async_load=auto: a local store (lookup %s): no prefetch", f"{rtt * 1e3:.2f} ms" if rtt else "?"
+def start_prefetch(half: SchedulerConnector, unavailable: str | None) -> PrefetchingScheduler | None:
+    """Hand the scheduler half's load policy (:mod:`kvdi.connectors.store.load_policy`) what this engine allows,
+    let it decide once whether hits prefetch at lookup, and log its decision and why; the half when it prefetches."""
+    if not isinstance(half, PrefetchingScheduler):
+        if half.context.settings.transfer.async_load == "prefetch":
+            logger.warning(
+                "kvdi: transfer.async_load=prefetch is not available here (the connector has no store scheduler "
+                "half); hits load as with auto"
             )
-
-    def _prefetch_reported(self, reports: tuple[tuple[str, int], ...]) -> None:
-        """Scheduler role: the worker's finished prefetches, ``(request, leading blocks staged)``."""
-        if reports and self._scheduler is not None and getattr(self._scheduler, "prefetch", None) is not None:
-            self._scheduler.prefetched(reports)
-            self.counts.prefetch_reported += len(reports)
-            self.counts.prefetch_staged_blocks += sum(n for _, n in reports)
-
-    def _prefetch_reports(self) -> tuple[tuple[str, int], ...]:
-        """Worker role: prefetches finished since the last step, for this step's worker metadata."""
-        take = getattr(self._worker, "prefetch_reports", None)
-        return tuple(take()) if callable(take) else ()
+        return None
+    on = half.enable_prefetch(unavailable)
+    policy = half.load_policy
+    (logger.warning if policy.refused else logger.info)("kvdi: %s", policy.describe())
+    return half if on else None
 
 
-__all__ = ["PrefetchHooks"]
+__all__ = ["prefetch_unavailable", "start_prefetch"]

@@ -13,9 +13,10 @@ from kvdi.connectors.cpu_offload import HostPoolStore
 from kvdi.connectors.multi import TieredStore
 from kvdi.connectors.shared_storage import FileBlockStore
 from kvdi.connectors.store.keys import block_keys
-from kvdi.integrations.vllm.event_ledger import BlockFacts, SchedulerLedger, WorkerLedger, drain, sink, store_tiers
-from kvdi.integrations.vllm.fleet_stats import FleetCounters, breaker_states, merge_entries
-from kvdi.integrations.vllm.parallel import RankSlice
+from kvdi.connectors.store.protocol import health_checks, leaf_stores
+from kvdi.integrations.vllm.fleet.counters import FleetCounters, breaker_states, merge_entries
+from kvdi.integrations.vllm.fleet.ledger import BlockFacts, SchedulerLedger, WorkerLedger, drain, sink
+from kvdi.integrations.vllm.parallel import AllRanksStore, RankSlice
 from tests.helpers.store import Engine, make_settings, request, small_layout
 
 LAYOUT = small_layout(block_size=4)
@@ -64,49 +65,57 @@ def test_worker_ledger_maps_rank_slice_keys_back_to_block_keys() -> None:
 
 
 def test_worker_half_reports_landed_saves_and_dropped_corrupt_blocks(tmp_path: Path) -> None:
-    """A real store worker with ``block_events`` set: every saved block is reported landed (after its
+    """A real store worker watched through ``watch_blocks``: every saved block is reported landed (after its
     asynchronous save finished), a corrupt one is reported dropped when a load finds it."""
     store = FileBlockStore(tmp_path / "kv")
     producer = Engine(store, LAYOUT, make_settings())
-    producer.worker.block_events = deque()
+    landed: deque[tuple[bool, bytes]] = deque()
+    producer.worker.watch_blocks(lambda ok, key: landed.append((ok, key)))
     producer.prefill(PROMPT, (1, 2, 3, 4, 5))
     keys = block_keys(PROMPT.prompt_token_ids, LAYOUT)
-    assert drain(producer.worker.block_events) == [(True, k) for k in keys]
+    assert drain(landed) == [(True, k) for k in keys]
     path = store.path_for(keys[1])
     data = bytearray(path.read_bytes())
     data[-1] ^= 1
     path.write_bytes(bytes(data))
     consumer = Engine(store, LAYOUT, make_settings())
-    consumer.worker.block_events = deque()
+    dropped: deque[tuple[bool, bytes]] = deque()
+    consumer.worker.watch_blocks(lambda ok, key: dropped.append((ok, key)))
     consumer.prefill(PROMPT, (6, 7, 8, 9, 10))
-    assert (False, keys[1]) in drain(consumer.worker.block_events)
+    assert (False, keys[1]) in drain(dropped)
 
 
 def test_shared_storage_size_cap_reports_evicted_keys(tmp_path: Path) -> None:
     """The size cap's LRU eviction names the keys it removed (oldest first), when someone listens."""
     frame = b"x" * 1000
     store = FileBlockStore(tmp_path / "kv", max_bytes=3500)
-    store.evicted_keys = sink()
+    evicted = sink()
+    store.watch_evictions(evicted.append)
     store.put_many([(bytes([i]) * 16, [frame]) for i in range(3)])
-    assert drain(store.evicted_keys) == []
+    assert drain(evicted) == []
     store.put_many([(bytes([9]) * 16, [frame])])
-    gone = drain(store.evicted_keys)
+    gone = drain(evicted)
     assert gone and set(gone) <= {bytes([i]) * 16 for i in range(3)}
     assert all(store.count_prefix([k]) == 0 for k in gone)
 
 
 def test_cpu_offload_lru_reports_evicted_keys() -> None:
+    """The host pool's LRU names each block it evicts to its watcher."""
     pool = HostPoolStore(num_slots=2, slot_bytes=64)
-    pool.evicted_keys = sink()
+    evicted = sink()
+    pool.watch_evictions(evicted.append)
     pool.put_many([(b"a" * 16, [b"1"]), (b"b" * 16, [b"2"])])
     pool.put_many([(b"c" * 16, [b"3"])])
-    assert drain(pool.evicted_keys) == [b"b" * 16]  # a batch's tail is least recently used
+    assert drain(evicted) == [b"b" * 16]  # a batch's tail is least recently used
 
 
-def test_store_tiers_unwraps_multi(tmp_path: Path) -> None:
+def test_leaf_stores_unwrap_multi_and_the_all_ranks_wrapper(tmp_path: Path) -> None:
+    """Composite stores list their parts: multi's tiers in order, a wrapper's backend."""
     disk, host = FileBlockStore(tmp_path / "kv"), HostPoolStore(2, 64)
-    assert store_tiers(TieredStore([("cpu_offload", host), ("shared_storage", disk)])) == [host, disk]
-    assert store_tiers(disk) == [disk]
+    multi = TieredStore([("cpu_offload", host), ("shared_storage", disk)])
+    assert leaf_stores(multi) == [host, disk]
+    assert leaf_stores(disk) == [disk]
+    assert leaf_stores(AllRanksStore(multi, RankSlice(tp_size=2))) == [host, disk]
 
 
 def test_misses_gauges_and_histograms_in_the_prometheus_entry() -> None:
@@ -114,21 +123,20 @@ def test_misses_gauges_and_histograms_in_the_prometheus_entry() -> None:
     sent only when it changed."""
     counters = FleetCounters("scheduler", "0-0")
     counters.looked_up(prompt_tokens=100, num_computed_tokens=32, matched_tokens=32, block_size=32)
-    entry = counters.entry({"lookups": 1, "load_seconds": 0.25}, half=None)
+    entry = counters.entry({"lookups": 1, "load_seconds": 0.25})
     assert entry == {"c|scheduler|lookups": 1, "c|scheduler|lookup_miss_blocks": 1, "h|scheduler|load_seconds": [0.25]}
-    assert counters.entry(None, half=None) is None
+    assert counters.entry(None) is None
 
-    class Half:
+    class Half:  # declares the gauges of WorkerGauges
         inflight_bytes = 4096
+        staged_bytes: int | None = None
 
-    worker = FleetCounters("worker", "1-0")
-    assert worker.entry(None, Half()) == {"g|worker|1-0|inflight_bytes|": 4096.0}
-    assert worker.entry(None, Half()) is None
-
-    class Prefetching(Half):
-        staging = type("Staging", (), {"held_bytes": 98568})()
-
-    assert worker.entry(None, Prefetching()) == {"g|worker|1-0|prefetch_staged_bytes|": 98568.0}
+    half = Half()
+    worker = FleetCounters("worker", "1-0", half)
+    assert worker.entry(None) == {"g|worker|1-0|inflight_bytes|": 4096.0}
+    assert worker.entry(None) is None
+    half.staged_bytes = 98568
+    assert worker.entry(None) == {"g|worker|1-0|prefetch_staged_bytes|": 98568.0}
 
 
 def test_merged_entries_sum_counters_and_join_observations() -> None:
@@ -149,11 +157,12 @@ def test_breaker_states_name_each_redis_node(redis_server_factory: object) -> No
     server = redis_server_factory()  # type: ignore[operator]
     options = RedisSettings(url=server.url, breaker_failures=1, op_timeout_s=0.5, connect_timeout_s=0.5)
     store = RedisBlockStore(options)
+    checks = health_checks(TieredStore([("redis", store)]))  # found through multi's parts
     try:
-        assert breaker_states(store) == {store.url: False}
+        assert breaker_states(checks) == {store.url: False}
         server.stop()
         with pytest.raises(ConnectionError):
             store.count_prefix([b"k" * 16])
-        assert breaker_states(store) == {store.url: True}
+        assert breaker_states(checks) == {store.url: True}
     finally:
         store.close()

@@ -1,4 +1,4 @@
-"""The store scheduler half looks blocks up from vLLM's local prefix-cache hit onward (issue 9, point 3).
+"""The store scheduler half looks blocks up from vLLM's local prefix-cache hit onward.
 
 vLLM asks ``get_num_new_matched_tokens(request, num_computed_tokens)`` with its own local
 hit; the blocks before it are in vLLM's cache, so the store is asked only about the keys

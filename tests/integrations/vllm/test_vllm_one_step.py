@@ -16,8 +16,8 @@ from kvdi.connectors.base import SchedulerOutput
 from kvdi.connectors.store import StoreTransferMetadata
 from kvdi.errors import ConfigError
 from kvdi.integrations.vllm.async_loads import WorkerLoads
-from kvdi.integrations.vllm.pending import HeldSaves, PendingWorkHooks, wait_for_loads
-from kvdi.integrations.vllm.stats import AdapterStats
+from kvdi.integrations.vllm.fleet.stats import AdapterStats
+from kvdi.integrations.vllm.pending import HeldSaves, wait_for_loads
 from kvdi.settings import load_settings
 from tests.helpers.store import DictStore, Engine, make_settings, request, small_layout
 
@@ -129,28 +129,26 @@ def test_each_load_counts_the_engine_steps_it_spanned() -> None:
     assert c.async_load_steps == 1 + 3 + 1 + 2
 
 
-class Hooks(PendingWorkHooks):
-    def __init__(self, best_effort: bool) -> None:
-        self._held_saves = HeldSaves(best_effort)
-
-
 def test_held_saves_are_pending_block_frees_until_vllm_hears_they_were_sent() -> None:
-    hooks = Hooks(best_effort=True)
-    assert not hooks.has_pending_block_frees() and not hooks.has_pending_push_work()
-    assert hooks._held_saves.finished("r", delay_free=True) is True
-    assert hooks._held_saves.finished("s", delay_free=False) is False  # not held: nothing to wait for
-    assert hooks.has_pending_block_frees() and hooks.has_pending_push_work()
-    hooks._held_saves.sent({"r"})
-    assert not hooks.has_pending_block_frees() and not hooks.has_pending_push_work()
-    hooks._held_saves.sent(None)  # vLLM's output without finished_sending
+    """Blocks held for queued saves are pending frees and push work until vLLM reports them sent."""
+    held = HeldSaves(best_effort=True)
+    assert not held.pending_block_frees() and not held.pending_push_work()
+    assert held.finished("r", delay_free=True) is True
+    assert held.finished("s", delay_free=False) is False  # not held: nothing to wait for
+    assert held.pending_block_frees() and held.pending_push_work()
+    held.sent({"r"})
+    assert not held.pending_block_frees() and not held.pending_push_work()
+    assert held.pending_push_work(prefetch_drops_due=True)  # staging of ended requests still to drop
+    held.sent(None)  # vLLM's output without finished_sending
 
 
 def test_a_store_is_best_effort_and_p2p_requires_delivery_and_never_blocks_preemption() -> None:
-    assert Hooks(best_effort=True).requires_kv_delivery is False
-    p2p = Hooks(best_effort=False)
+    """Store connectors are a best-effort cache; p2p delivers, and its held blocks never block preemption."""
+    assert HeldSaves(best_effort=True).requires_kv_delivery is False
+    p2p = HeldSaves(best_effort=False)
     assert p2p.requires_kv_delivery is True
-    p2p._held_saves.finished("r", delay_free=True)  # held until a peer pulls it, which may never happen
-    assert not p2p.has_pending_block_frees() and p2p.has_pending_push_work()
+    p2p.finished("r", delay_free=True)  # held until a peer pulls it, which may never happen
+    assert not p2p.pending_block_frees() and p2p.pending_push_work()
 
 
 def test_idle_load_wait_setting_is_bounded(kvdi_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:

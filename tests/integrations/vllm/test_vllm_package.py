@@ -10,7 +10,7 @@ import pytest
 
 import kvdi.integrations.vllm as package
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the repository: this tree's kvdi, not an installed one
 VLLM_FREE = (
     "async_loads",
     "block_index",
@@ -23,7 +23,9 @@ VLLM_FREE = (
     "parallel",
     "requests",
     "shared",
-    "stats",
+    "fleet.stats",
+    "fleet.counters",
+    "fleet.ledger",
 )
 
 
@@ -44,3 +46,16 @@ def test_vllm_free_modules_do_not_import_vllm() -> None:
 def test_unknown_attribute_of_the_package_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="NoSuchThing"):
         package.NoSuchThing  # noqa: B018
+
+
+def test_the_package_map_lists_every_module_of_the_folder() -> None:
+    """The package docstring's module map names each module and sub-package of the folder, and nothing else."""
+    import re
+
+    folder = Path(package.__file__).parent
+    on_disk = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"} | {
+        p.name for p in folder.iterdir() if (p / "__init__.py").exists()
+    }
+    mapped = set(re.findall(r"^- :mod:`\.(\w+)`(?: / :mod:`\.(\w+)`)?", package.__doc__ or "", re.M))
+    listed = {name for pair in mapped for name in pair if name}
+    assert listed == on_disk, f"unmapped: {on_disk - listed}; mapped but gone: {listed - on_disk}"

@@ -1,4 +1,4 @@
-"""Per-step counter deltas and the kvdi_stats_dir files (kvdi.integrations.vllm.stats), without vLLM."""
+"""Per-step counter deltas and the kvdi_stats_dir files (kvdi.integrations.vllm.fleet.stats), without vLLM."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from kvdi.connectors.base import ConnectorStats
 from kvdi.errors import ConfigError
-from kvdi.integrations.vllm.stats import StatsReporter, check_engine_id, write_stats_file
+from kvdi.integrations.vllm.fleet.stats import StatsReporter, check_engine_id, write_stats_file
 
 
 def test_delta_is_none_while_nothing_moves() -> None:

@@ -16,45 +16,44 @@ entry, :data:`PROM_KEY`, that keeps what Prometheus needs and the sum would lose
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from kvdi.connectors.base import StoreHalf, WorkerGauges
+from kvdi.connectors.store.protocol import health_checks
 
 PROM_KEY = "kvdi/prom"
 HISTOGRAM_COUNTERS = ("load_seconds", "save_seconds")
 
 
-def breaker_states(store: object) -> dict[str, bool]:
-    """Whether each Redis node's breaker is open, by node label, for a store or any store it wraps."""
-    out: dict[str, bool] = {}
-    breakers = getattr(store, "breakers", None)  # a Redis Cluster: one per node
-    if isinstance(breakers, dict):
-        out.update({str(node): b.state.value == "open" for node, b in breakers.items()})
-    node = getattr(store, "node", None)  # one Redis server
-    if node is not None and hasattr(node, "breaker"):
-        out[str(node.label)] = node.breaker.state.value == "open"
-    for _, tier in getattr(store, "tiers", None) or ():  # multi
-        out.update(breaker_states(tier))
-    inner = getattr(store, "backend", None)  # a wrapper (all-ranks lookups)
-    if inner is not None and inner is not store:
-        out.update(breaker_states(inner))
-    return out
+def breaker_states(checks: list[Callable[[], Mapping[str, bool]]]) -> dict[str, bool]:
+    """Whether each node's circuit breaker is open, by node label, from a store tree's
+    :meth:`~kvdi.connectors.store.HealthStore.health` checks (:func:`~kvdi.connectors.store.health_checks`)."""
+    return {str(node): not serving for check in checks for node, serving in check().items()}
 
 
 class FleetCounters:
-    """One connector half's additions for Prometheus: miss blocks, per-step seconds, gauges when changed."""
+    """One connector half's additions for Prometheus: miss blocks, per-step seconds, gauges when changed.
 
-    def __init__(self, role: str, rank: str) -> None:
+    The half's gauges are what it declares: :class:`~kvdi.connectors.base.WorkerGauges` (bytes in flight and in
+    prefetch staging) and its store's health (:class:`~kvdi.connectors.store.HealthStore`, of every part), found
+    once here."""
+
+    def __init__(self, role: str, rank: str, half: object = None) -> None:
         self.role = role
         self.rank = rank
         self.lookup_miss_blocks = 0
         self._reported_misses = 0
         self._gauges: dict[str, float] = {}
+        self._gauged = half if isinstance(half, WorkerGauges) else None
+        self._health = health_checks(half.store) if isinstance(half, StoreHalf) else []
 
     def looked_up(self, prompt_tokens: int, num_computed_tokens: int, matched_tokens: int, block_size: int) -> None:
         """Count the blocks a lookup asked for and did not get (scheduler role)."""
         asked = max(prompt_tokens - 1, 0) // block_size - num_computed_tokens // block_size
         self.lookup_miss_blocks += max(asked - max(matched_tokens, 0) // block_size, 0)
 
-    def entry(self, delta: dict[str, int | float] | None, half: object) -> dict[str, Any] | None:
+    def entry(self, delta: dict[str, int | float] | None) -> dict[str, Any] | None:
         """The :data:`PROM_KEY` entry of this step (None when nothing changed)."""
         out: dict[str, Any] = {}
         for name, value in (delta or {}).items():
@@ -66,24 +65,21 @@ class FleetCounters:
         if misses:
             out[f"c|{self.role}|lookup_miss_blocks"] = misses
             self._reported_misses = self.lookup_miss_blocks
-        for gauge, value in self._gauge_values(half).items():
+        for gauge, value in self._gauge_values().items():
             if self._gauges.get(gauge) != value:
                 self._gauges[gauge] = value
                 out[f"g|{self.role}|{self.rank}|{gauge}"] = value
         return out or None
 
-    def _gauge_values(self, half: object) -> dict[str, float]:
+    def _gauge_values(self) -> dict[str, float]:
         values: dict[str, float] = {}
-        inflight = getattr(half, "inflight_bytes", None)
-        if isinstance(inflight, int):
-            values["inflight_bytes|"] = float(inflight)
-        staging = getattr(half, "staging", None)
-        if staging is not None:
-            values["prefetch_staged_bytes|"] = float(staging.held_bytes)
-        store = getattr(half, "store", None)
-        if store is not None:
-            for node, is_open in breaker_states(store).items():
-                values[f"breaker_open|{node}"] = 1.0 if is_open else 0.0
+        if self._gauged is not None:
+            values["inflight_bytes|"] = float(self._gauged.inflight_bytes)
+            staged = self._gauged.staged_bytes
+            if staged is not None:
+                values["prefetch_staged_bytes|"] = float(staged)
+        for node, is_open in breaker_states(self._health).items():
+            values[f"breaker_open|{node}"] = 1.0 if is_open else 0.0
         return values
 
 

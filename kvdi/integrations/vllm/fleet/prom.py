@@ -11,13 +11,16 @@ Series follow vLLM's conventions (``vllm:`` prefix, counters exposed with ``_tot
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.logger import init_logger
 
 from kvdi.integrations.vllm.envelopes import KvdiConnectorStats
-from kvdi.integrations.vllm.fleet_stats import PROM_KEY, merge_entries
+from kvdi.integrations.vllm.fleet.counters import PROM_KEY, merge_entries
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge, Histogram
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -84,16 +87,18 @@ class KvdiPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,unused-ignor
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         extra = ["connector", "role"]
+        # vLLM hands the metric classes over as one dict (its own or multiprocess wrappers): each is its kind.
+        counter, histogram = cast("type[Counter]", self._counter_cls), cast("type[Histogram]", self._histogram_cls)
+        gauge = cast("type[Gauge]", self._gauge_cls)
         self.counters = {
-            k: self._counter_cls(name=n, documentation=d, labelnames=labelnames + extra)
-            for k, (n, d) in COUNTERS.items()
+            k: counter(name=n, documentation=d, labelnames=labelnames + extra) for k, (n, d) in COUNTERS.items()
         }
         self.histograms = {
-            k: self._histogram_cls(name=n, documentation=d, labelnames=labelnames + extra, buckets=SECONDS_BUCKETS)
+            k: histogram(name=n, documentation=d, labelnames=labelnames + extra, buckets=SECONDS_BUCKETS)
             for k, (n, d) in HISTOGRAMS.items()
         }
         self.gauges = {
-            k: self._gauge_cls(name=n, documentation=d, labelnames=labelnames + extra + more)
+            k: gauge(name=n, documentation=d, labelnames=labelnames + extra + more)
             for k, (n, d, more) in GAUGES.items()
         }
         self._ranks: dict[tuple[int, str, str, str, str], float] = {}  # (engine, role, gauge, label, rank) -> value

@@ -45,10 +45,10 @@ class AdapterStats:
     (requests reported to vLLM through ``get_finished``), ``preempted_flushed`` (preempted
     requests whose queued transfers were finished before their blocks were reused),
     ``async_load_steps`` and ``load_steps_1`` .. ``load_steps_4_or_more`` (engine steps each
-    asynchronous load spanned, summed and as a histogram: :mod:`.async_loads`),
+    asynchronous load spanned, summed and as a histogram: :mod:`..async_loads`),
     ``idle_load_waits`` / ``idle_load_wait_seconds`` (empty steps that waited for a load:
-    :mod:`.pending`). ``prefetch_reported`` / ``prefetch_staged_blocks`` (scheduler: prefetches at
-    lookup the worker finished, and the blocks they staged: :mod:`.prefetch`).
+    :mod:`..pending`). ``prefetch_reported`` / ``prefetch_staged_blocks`` (scheduler: prefetches at
+    lookup the worker finished, and the blocks they staged: :mod:`..prefetch`).
     """
 
     async_load_requests: int = 0

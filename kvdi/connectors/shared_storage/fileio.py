@@ -11,8 +11,8 @@ import os
 import secrets
 from collections.abc import Sequence
 
+from kvdi.connectors.shared_storage.safe_dir import DIR_FLAGS
 from kvdi.connectors.store.framing import Buffer
-from kvdi.connectors.store.safe_dir import DIR_FLAGS
 
 
 def list_entries(dir_fd: int) -> list[tuple[str, os.stat_result]]:

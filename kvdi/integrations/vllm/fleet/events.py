@@ -1,7 +1,8 @@
 """kvdi seen by the fleet: KV cache events, hit sources, ``reset_cache``, metrics hooks (imports vLLM).
 
-:class:`FleetHooks` is mixed into :class:`~kvdi.integrations.vllm.connector.KvdiConnector`;
-the connector calls its ``_fleet_*`` methods at a few points and vLLM calls the rest.
+:class:`SchedulerFleet` and :class:`WorkerFleet` are collaborators of the adapter's scheduler and
+worker sides (:mod:`kvdi.integrations.vllm.scheduler_side`, :mod:`kvdi.integrations.vllm.worker_side`),
+which forward vLLM's fleet hooks to them.
 
 **Events** (with ``--kv-events-config '{"enable_kv_cache_events": true, ...}'``), published by
 vLLM's own publisher beside vLLM's GPU-block events:
@@ -45,20 +46,38 @@ from vllm.distributed.kv_events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
-from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
+from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
+    generate_block_hash_extra_keys,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvdi.connectors.base import BlockTransferMetadata, KVRequest
+from kvdi.connectors.base import (
+    REMOTE_HIT_SOURCE,
+    BlockEventSource,
+    BlockTransferMetadata,
+    DeclaresHitSource,
+    KVRequest,
+    SchedulerConnector,
+    StoreHalf,
+    WorkerConnector,
+)
 from kvdi.connectors.store.keys import block_keys
-from kvdi.integrations.vllm.event_ledger import BlockFacts, SchedulerLedger, WorkerLedger, drain, sink, store_tiers
-from kvdi.integrations.vllm.fleet_stats import FleetCounters
+from kvdi.connectors.store.protocol import StoreCapabilities, leaf_stores
+from kvdi.integrations.vllm.fleet.counters import FleetCounters
+from kvdi.integrations.vllm.fleet.ledger import BlockFacts, SchedulerLedger, WorkerLedger, drain, sink
+from kvdi.integrations.vllm.parallel import RankSlice
+from kvdi.integrations.vllm.requests import RequestTracker
+from kvdi.layout import KVCacheSpec
 
 _TRANSPORT_SIZE = -1  # block_size of worker-to-scheduler events: a kvdi key, not yet an event for routers
 
 
 def tier_of(store: object) -> tuple[str, str, str]:
-    """(hit source, medium, locality) of one store: its ``hit_source`` attribute, a remote store by default."""
-    source = str(getattr(store, "hit_source", CacheHitSource.EXTERNAL_UNSPECIFIED.value))
+    """(hit source, medium, locality) of one store: its declared ``hit_source``, a remote store by default."""
+    source = StoreCapabilities.of(store).hit_source
     if source == CacheHitSource.HOST.value:
         return source, MEDIUM_CPU, "LOCAL"
     return source, MEDIUM_STORAGE, "REMOTE"
@@ -90,38 +109,36 @@ class KvdiKVEvents(KVConnectorKVEvents):  # type: ignore[misc,unused-ignore]
         self.events.clear()
 
 
-class FleetHooks:
-    """The fleet-facing half of :class:`KvdiConnector` (events, hit sources, reset, metrics)."""
+def events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV cache events (``--kv-events-config '{"enable_kv_cache_events": true}'``)."""
+    events_config = getattr(vllm_config, "kv_events_config", None)  # vLLM's config
+    return bool(events_config is not None and events_config.enable_kv_cache_events)
 
-    half: Any
-    layout: Any
-    _shape: Any
 
-    def _fleet_setup(self, vllm_config: Any, worker: bool) -> None:
-        events_config = getattr(vllm_config, "kv_events_config", None)
-        self._events_on = bool(events_config is not None and events_config.enable_kv_cache_events)
-        self._fleet = FleetCounters("worker" if worker else "scheduler", f"{self._shape.tp_rank}-{self._shape.pp_rank}")
+class SchedulerFleet:
+    """The scheduler role's side of the fleet: vLLM's facts of planned saves joined with the ranks' reports into
+    events for routers, ``reset_cache``, hit sources by tier, and its additions to the Prometheus entry."""
+
+    def __init__(
+        self, half: SchedulerConnector, layout: KVCacheSpec, shape: RankSlice, tracker: RequestTracker, events_on: bool
+    ) -> None:
+        self.half, self.layout, self.shape, self.tracker, self.events_on = half, layout, shape, tracker, events_on
+        self.counters = FleetCounters("scheduler", f"{shape.tp_rank}-{shape.pp_rank}", half)
         self._out: list[KVCacheEvent] = []
         self._resets = 0
         self._vllm_requests: dict[str, Any] = {}
         self._salted: dict[str, KVRequest] = {}
         self._lookups: dict[str, tuple[int, KVRequest]] = {}  # request id -> (computed tokens, kvdi's request)
-        self._sched_ledger = SchedulerLedger(self._shape.tp_size * self._shape.pp_size)
-        self._worker_ledger = WorkerLedger([r.key for r in self._shape.ranks()] if self._shape.sliced else ())
-        self._tiers: list[tuple[Any, str, str]] = []
-        if worker and self._events_on:
-            self.half.block_events = deque(maxlen=1 << 20)
-            for store in store_tiers(getattr(self.half, "store", None)):
-                if hasattr(store, "evicted_keys"):
-                    store.evicted_keys = sink()
-                self._tiers.append((store, *tier_of(store)[1:]))
+        self._ledger = SchedulerLedger(shape.tp_size * shape.pp_size)
+        # The stores behind the half, by kind of tier (hit sources), found once.
+        store = half.store if isinstance(half, StoreHalf) else None
+        self._hit_tiers = [(leaf, tier_of(leaf)[0]) for leaf in (leaf_stores(store) if store is not None else [])]
+        self._hit_source = half.hit_source if isinstance(half, DeclaresHitSource) else None
 
-    # -- scheduler role ------------------------------------------------------------------------
-
-    def _fleet_request(self, tracker: Any, request: Any) -> KVRequest:
-        """kvdi's view of ``request``, salted with the reset count after a ``reset_cache``."""
-        req: KVRequest = tracker.request(request)
-        if self._events_on:
+    def request(self, request: Any) -> KVRequest:
+        """kvdi's view of vLLM's ``request``, salted with the reset count after a ``reset_cache``."""
+        req = self.tracker.request(request)
+        if self.events_on:
             self._vllm_requests[req.request_id] = request
         if not self._resets:
             return req
@@ -129,16 +146,16 @@ class FleetHooks:
         if salted is None:
             salt = f"{req.cache_salt or ''}|kvdi-reset:{self._resets}"
             salted = self._salted[req.request_id] = replace(req, cache_salt=salt)
-            tracker.remember(salted)
+            self.tracker.remember(salted)
         return salted
 
-    def _fleet_looked_up(self, req: KVRequest, num_computed_tokens: int, matched: int | None) -> None:
-        self._fleet.looked_up(len(req.prompt_token_ids), num_computed_tokens, matched or 0, self.layout.block_size)
+    def looked_up(self, req: KVRequest, num_computed_tokens: int, matched: int | None) -> None:
+        self.counters.looked_up(len(req.prompt_token_ids), num_computed_tokens, matched or 0, self.layout.block_size)
         self._lookups[req.request_id] = (num_computed_tokens, req)
 
-    def _fleet_planned(self, inner: object, finished: Any) -> None:
+    def planned(self, inner: object, finished: Any) -> None:
         """Capture vLLM's facts of this step's planned saves; forget requests that finished."""
-        if self._events_on and isinstance(inner, BlockTransferMetadata) and inner.saves:
+        if self.events_on and isinstance(inner, BlockTransferMetadata) and inner.saves:
             for transfer in inner.saves:
                 self._capture(transfer.request_id, transfer.block_keys)
         for rid in finished or ():
@@ -170,22 +187,25 @@ class FleetHooks:
                 getattr(lora, "adapter_id", None),
                 to_event_extra_keys([extra]),
             )
-            self._sched_ledger.planned(key, facts)
+            self._ledger.planned(key, facts)
 
-    def _fleet_worker_events(self, connector_output: Any) -> None:
+    def worker_events(self, connector_output: Any) -> None:
         """Turn the ranks' reports into events for routers (a block is stored once every rank's slice is)."""
         reported = getattr(connector_output, "kv_cache_events", None)
         if not isinstance(reported, KvdiKVEvents):
             return
         for event in reported.get_all_events():
+            key = event.block_hashes[0] if isinstance(event, (BlockStored, BlockRemoved)) else None
+            if not isinstance(key, bytes):  # the ranks' reports carry kvdi's block keys (bytes)
+                continue
             if isinstance(event, BlockStored):
-                facts = self._sched_ledger.landed(event.block_hashes[0], str(event.medium), event.locality)
+                facts = self._ledger.landed(key, str(event.medium), event.locality)
                 if facts is not None:
                     self._out.append(_stored(facts, event, self.layout.block_size))
             elif isinstance(event, BlockRemoved):
-                block_hash = self._sched_ledger.removed(event.block_hashes[0], str(event.medium))
+                block_hash = self._ledger.removed(key, str(event.medium))
                 if block_hash is not None:
-                    ext = maybe_convert_block_hash(block_hash)
+                    ext = maybe_convert_block_hash(BlockHash(block_hash))
                     self._out.append(BlockRemoved([ext], event.medium, 0, event.locality))
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -197,77 +217,82 @@ class FleetHooks:
         """vLLM's hook (``reset_prefix_cache(reset_connector=True)``): stop offering what was stored before it."""
         self._resets += 1
         self._salted.clear()
-        self._sched_ledger.clear()
-        if self._events_on:
+        self._ledger.clear()
+        if self.events_on:
             self._out.append(AllBlocksCleared())
         return True
 
-    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """vLLM's hook: ``num_external_tokens`` split by the kind of tier that serves them."""
         if num_external_tokens <= 0:
             return {}
-        store = getattr(self.half, "store", self.half)
-        tiers = store_tiers(store)
-        if len(tiers) == 1:
-            source = getattr(self.half, "hit_source", None) or tier_of(tiers[0])[0]
+        if len(self._hit_tiers) <= 1:  # one store, or a half without one (its own hit source, else remote)
+            source = self._hit_source or (self._hit_tiers[0][1] if self._hit_tiers else REMOTE_HIT_SOURCE)
             return {CacheHitSource(source): num_external_tokens}
-        return self._split_by_tier(str(request.request_id), tiers, num_external_tokens)
+        return self._split_by_tier(str(request.request_id), num_external_tokens)
 
-    def _split_by_tier(self, rid: str, tiers: list[Any], tokens: int) -> dict[CacheHitSource, int]:
+    def _split_by_tier(self, rid: str, tokens: int) -> dict[CacheHitSource, int]:
         computed, req = self._lookups.get(rid, (0, None))
         bs = self.layout.block_size
         keys = block_keys(req.prompt_token_ids, self.layout, req.cache_salt)[computed // bs :] if req else []
         out: dict[CacheHitSource, int] = {}
         served = 0
-        for store in tiers:
+        for store, hit_source in self._hit_tiers:
             try:
                 held = min(store.count_prefix(keys), -(-tokens // bs)) * bs
             except Exception:
                 continue
             if held > served:
-                source = CacheHitSource(tier_of(store)[0])
+                source = CacheHitSource(hit_source)
                 out[source] = out.get(source, 0) + min(held, tokens) - served
                 served = min(held, tokens)
         if served < tokens:
             out[CacheHitSource.EXTERNAL_UNSPECIFIED] = tokens - served
         return out
 
-    # -- worker role ---------------------------------------------------------------------------
 
-    def _fleet_saw(self, inner: object) -> None:
-        if self._events_on:
-            self._worker_ledger.saw(inner)
+class WorkerFleet:
+    """One worker rank's side of the fleet: its landed, evicted and dropped blocks (by block key) for the scheduler,
+    and its additions to the Prometheus entry (gauges). Watches the half and its stores when events are on."""
 
-    def get_kv_connector_kv_cache_events(self) -> KvdiKVEvents | None:
+    def __init__(self, half: WorkerConnector, shape: RankSlice, events_on: bool) -> None:
+        self.events_on = events_on
+        self.counters = FleetCounters("worker", f"{shape.tp_rank}-{shape.pp_rank}", half)
+        self._ledger = WorkerLedger([r.key for r in shape.ranks()] if shape.sliced else ())
+        self._tiers: list[tuple[deque[bytes] | None, str, str]] = []  # (evicted keys, medium, locality) per leaf
+        self._block_events: deque[tuple[bool, bytes]] = deque(maxlen=1 << 20)
+        store = half.store if isinstance(half, StoreHalf) else None
+        if not events_on or store is None:
+            return
+        if isinstance(half, BlockEventSource):
+            half.watch_blocks(lambda landed, key: self._block_events.append((landed, key)))
+        for leaf in leaf_stores(store):
+            watch = StoreCapabilities.of(leaf).watch_evictions
+            evicted = sink() if watch is not None else None
+            if watch is not None and evicted is not None:
+                watch(evicted.append)
+            self._tiers.append((evicted, *tier_of(leaf)[1:]))
+
+    def saw(self, inner: object) -> None:
+        """This step's metadata, before the adapter re-keys it per rank."""
+        if self.events_on:
+            self._ledger.saw(inner)
+
+    def kv_cache_events(self) -> KvdiKVEvents | None:
         """vLLM's worker hook: this rank's landed, evicted and dropped blocks (by block key) since the last call."""
-        if not self._events_on or not self._tiers:
+        if not self.events_on or not self._tiers:
             return None
         events: list[KVCacheEvent] = []
-        reported: list[tuple[bool, bytes]] = drain(getattr(self.half, "block_events", None))
+        reported = drain(self._block_events)
         landed = [k for ok, k in reported if ok]
         dropped = [k for ok, k in reported if not ok]
         for medium, locality in dict.fromkeys((m, loc) for _, m, loc in self._tiers):  # one report per kind
-            events.extend(_transport_stored(k, medium, locality) for k in self._worker_ledger.block_keys(landed))
-            events.extend(BlockRemoved([k], medium, None, locality) for k in self._worker_ledger.block_keys(dropped))
-        for store, medium, locality in self._tiers:
-            gone = drain(getattr(store, "evicted_keys", None))
-            events.extend(BlockRemoved([k], medium, None, locality) for k in self._worker_ledger.block_keys(gone))
+            events.extend(_transport_stored(k, medium, locality) for k in self._ledger.block_keys(landed))
+            events.extend(BlockRemoved([k], medium, None, locality) for k in self._ledger.block_keys(dropped))
+        for evicted, medium, locality in self._tiers:
+            gone = drain(evicted)
+            events.extend(BlockRemoved([k], medium, None, locality) for k in self._ledger.block_keys(gone))
         return KvdiKVEvents(events) if events else None
-
-    # -- metrics -------------------------------------------------------------------------------
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
-        from kvdi.integrations.vllm.prom import FleetConnectorStats
-
-        return FleetConnectorStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any, labelvalues: Any) -> Any:
-        """vLLM's hook: kvdi's Prometheus series on ``/metrics`` (:mod:`.prom`)."""
-        from kvdi.integrations.vllm.prom import build_prom_metrics
-
-        return build_prom_metrics(vllm_config, metric_types, labelnames, labelvalues)
 
 
 def _kv_salt(request: Any) -> str | None:
@@ -282,8 +307,8 @@ def _transport_stored(key: bytes, medium: str, locality: str) -> BlockStored:
 
 def _stored(facts: BlockFacts, event: BlockStored, block_size: int) -> BlockStored:
     return BlockStored(
-        block_hashes=[maybe_convert_block_hash(facts.block_hash)],
-        parent_block_hash=None if facts.parent_hash is None else maybe_convert_block_hash(facts.parent_hash),
+        block_hashes=[maybe_convert_block_hash(BlockHash(facts.block_hash))],
+        parent_block_hash=None if facts.parent_hash is None else maybe_convert_block_hash(BlockHash(facts.parent_hash)),
         token_ids=list(facts.token_ids),
         block_size=block_size,
         lora_id=facts.lora_id,
@@ -295,4 +320,4 @@ def _stored(facts: BlockFacts, event: BlockStored, block_size: int) -> BlockStor
     )
 
 
-__all__ = ["FleetHooks", "KvdiKVEvents", "tier_of"]
+__all__ = ["KvdiKVEvents", "SchedulerFleet", "WorkerFleet", "events_enabled", "tier_of"]

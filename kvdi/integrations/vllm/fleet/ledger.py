@@ -43,7 +43,7 @@ class BlockFacts:
 
 
 def sink() -> deque[bytes]:
-    """A bounded queue a store appends evicted keys to (its ``evicted_keys`` attribute)."""
+    """A bounded queue of evicted keys: its ``append`` is the watcher a store's ``watch_evictions`` calls."""
     return deque(maxlen=DRAIN_MAX)
 
 
@@ -56,17 +56,6 @@ def drain(queue: deque[_T] | None) -> list[_T]:
         except IndexError:
             break
     return out
-
-
-def store_tiers(store: object) -> list[object]:
-    """The stores that hold blocks: the store itself, or each tier of a multi store (wrappers unwrapped)."""
-    tiers = getattr(store, "tiers", None)
-    if tiers:
-        return [s for _, t in tiers for s in store_tiers(t)]
-    inner = getattr(store, "backend", None)
-    if inner is not None and inner is not store and hasattr(inner, "count_prefix"):
-        return store_tiers(inner)
-    return [store]
 
 
 class WorkerLedger:
@@ -150,5 +139,4 @@ __all__ = [
     "WorkerLedger",
     "drain",
     "sink",
-    "store_tiers",
 ]

