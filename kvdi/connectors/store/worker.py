@@ -318,7 +318,12 @@ class StoreWorkerConnector(WorkerConnector):
             self._queue.submit_save(transfer.request_id, len(ids[span]) * self._block_bytes, ids[span], job)
 
     def _save_job(
-        self, ios: CacheIOs, io: CacheIO, request_id: str, ids: Sequence[int], keys: Sequence[bytes],
+        self,
+        ios: CacheIOs,
+        io: CacheIO,
+        request_id: str,
+        ids: Sequence[int],
+        keys: Sequence[bytes],
         pieces: _Pieces | None,
     ) -> Outcome:
         out = Outcome(request_id, False)

@@ -8,7 +8,13 @@ from typing import Any, cast
 
 import torch
 
-from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, KVConnectorMetadata, WorkerConnector
+from kvdi.connectors.base import (
+    AsyncLoadMetadata,
+    BlockTransfer,
+    BlockTransferMetadata,
+    KVConnectorMetadata,
+    WorkerConnector,
+)
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.integrations.vllm.views import block_rows
 
@@ -131,7 +137,7 @@ class LayoutBridge:
         if self.direct or not isinstance(metadata, BlockTransferMetadata):
             return metadata
         self._template = metadata
-        async_loads: tuple[BlockTransfer, ...] | None = getattr(metadata, "async_loads", None)  # store and p2p
+        async_loads = metadata.async_loads if isinstance(metadata, AsyncLoadMetadata) else None  # store and p2p
         if async_loads is not None:
             self._markers = tuple(BlockTransfer(t.request_id, (), ()) for t in async_loads)
         self._load_rounds = self._rounds((*metadata.loads, *(async_loads or ())))
