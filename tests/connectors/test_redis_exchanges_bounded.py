@@ -44,14 +44,7 @@ class StreamingRedis(ScriptedRedis):
     def _serve(self, conn: socket.socket) -> None:
         stream = conn.makefile("rb")
         try:
-            while True:
-                line = stream.readline()
-                if not line.startswith(b"*"):
-                    return
-                args = []
-                for _ in range(int(line[1:])):
-                    size = int(stream.readline()[1:])
-                    args.append(stream.read(size + 2)[:size])
+            while (args := self.read_command(stream)) is not None:
                 reply: Any = self.script(args, self.data)
                 for chunk in (
                     [honest(args, self.data)] if reply is None else [reply] if isinstance(reply, bytes) else reply

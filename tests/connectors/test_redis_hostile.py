@@ -106,17 +106,22 @@ class ScriptedRedis:
             thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
             thread.start()
 
+    @staticmethod
+    def read_command(stream: Any) -> list[bytes] | None:
+        """One RESP command (an array of bulk strings) from ``stream``; None when the client is done."""
+        line = stream.readline()
+        if not line.startswith(b"*"):
+            return None
+        args = []
+        for _ in range(int(line[1:])):
+            size = int(stream.readline()[1:])
+            args.append(stream.read(size + 2)[:size])
+        return args
+
     def _serve(self, conn: socket.socket) -> None:
         stream = conn.makefile("rb")
         try:
-            while True:
-                line = stream.readline()
-                if not line.startswith(b"*"):
-                    return
-                args = []
-                for _ in range(int(line[1:])):
-                    size = int(stream.readline()[1:])
-                    args.append(stream.read(size + 2)[:size])
+            while (args := self.read_command(stream)) is not None:
                 self.commands.append(args[0].upper())
                 reply = self.script(args, self.data)
                 if reply is None:
