@@ -39,6 +39,7 @@ from kvdi.connectors.redis.bounded import INFO, SMALL, Bounds, CutReplies, read_
 from kvdi.connectors.redis.breaker import BreakerOpenError, BreakerState, CircuitBreaker
 from kvdi.connectors.redis.wire import (
     describe,
+    describe_reply,
     object_or_none,
     pack_sets,
     placed_size,
@@ -250,10 +251,6 @@ def count_written(exchange: Exchange, logged: set[str]) -> int:
     return count
 
 
-def describe_reply(reply: object) -> str:
-    return describe(reply) if isinstance(reply, BaseException) else f"unexpected reply of type {type(reply).__name__}"
-
-
 class RedisBlockStore:
     """A :class:`~kvdi.connectors.store.BlockStore` over one Redis server; safe to share across threads.
 
@@ -382,8 +379,6 @@ class RedisBlockStore:
         """Close every pooled connection; the store must not be used afterwards."""
         self.node.client.close()
         self.node.client.connection_pool.disconnect()
-
-    # internals
 
     def _name(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()

@@ -153,3 +153,8 @@ def byte_view(piece: Buffer) -> memoryview:
 def describe(exc: BaseException) -> str:
     # redis-py messages name host:port, never credentials, but be safe about URLs.
     return mask_text(str(exc) or type(exc).__name__)
+
+
+def describe_reply(reply: object) -> str:
+    """A reply that is not what the exchange expected, in words (an error's masked message, else its type)."""
+    return describe(reply) if isinstance(reply, BaseException) else f"unexpected reply of type {type(reply).__name__}"

@@ -22,6 +22,7 @@ The package is split by concept (a test keeps this map equal to the folder); onl
 - :mod:`.envelopes`: kvdi's metadata and counters in vLLM's envelope types;
 - :mod:`.config`: kvdi settings from vLLM's config (``kvdi.*`` extra-config keys, role, engine id);
 - :mod:`.layout`: kvdi's :class:`~kvdi.layout.KVCacheSpec` of vLLM's cache, per-layer block views;
+- :mod:`.views`: every KV cache layout vLLM resolves as block views in a stored byte order (vLLM-free);
 - :mod:`.bridge`: a scratch cache for layouts whose blocks are not contiguous;
 - :mod:`.requests`: vLLM requests and scheduler output as kvdi's;
 - :mod:`.block_index`: the scheduler's key-only view of a worker-local store;
