@@ -141,3 +141,15 @@ def test_another_connectors_section_is_still_refused(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("KVDI_DEEP__DEPTH", "2")
     with pytest.raises(ConfigError, match="KVDI_DEEP__DEPTH is not a kvdi setting"):
         load_settings(kv_connector="null")
+
+
+def test_a_bad_extra_config_value_names_its_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad ``kvdi.deep.depth`` in vLLM's transfer-config JSON is blamed on that key, with value and bound."""
+    extra = {"kvdi.kv_connector": "deep", "kvdi.deep.depth": 11}
+    monkeypatch.setenv(
+        "KVDI_KV_TRANSFER_CONFIG", json.dumps({"kv_connector": "KvdiConnector", "kv_connector_extra_config": extra})
+    )
+    with pytest.raises(
+        ConfigError, match=r"KVDI_KV_TRANSFER_CONFIG key kvdi\.deep\.depth=11\): .*less than or equal to 10"
+    ):
+        build_kv_container(load_settings(), registry=registry()).options()
