@@ -89,17 +89,18 @@ def describe(container_overrides: Mapping[str, Any] | None = None) -> dict[str, 
 
     from kvdi.containers import build_engine_container
     from kvdi.masking import mask_value
-    from kvdi.settings import flatten, load_settings, value_sources
+    from kvdi.settings import load_settings, value_sources
 
     overrides = dict(container_overrides or {})
     settings = load_settings(**overrides)
     sources = value_sources(**overrides)
-    rows = [
-        {"setting": p, "value": to_jsonable_python(mask_value(p, v)), "source": _source_of(p, sources)}
-        for p, v in flatten(settings.model_dump())
-    ]
     container = build_engine_container(settings)
     resolved = container.kv.connector()
+    shown = _shown_settings(settings, resolved, container.kv.options(), container.kv.tiers())
+    rows = [
+        {"setting": p, "value": to_jsonable_python(mask_value(p, v)), "source": _source_of(p, sources)}
+        for p, v in shown
+    ]
     plan = container.alloc.plan()
     return {
         "settings": rows,
@@ -120,6 +121,25 @@ def describe(container_overrides: Mapping[str, Any] | None = None) -> dict[str, 
             "allocated": False,
         },
     }
+
+
+def _shown_settings(settings: Any, resolved: Any, options: Any, tiers: Any) -> list[tuple[str, Any]]:
+    """The core settings and the selected connector's options (its tiers' too): other connectors' sections are left
+    out. A plugin's options are its model's fields under its name, e.g. ``myplugin.depth``."""
+    from pydantic import BaseModel
+
+    from kvdi.containers import options_model
+    from kvdi.registry import BUILTIN_SPECS
+    from kvdi.settings import flatten
+
+    sections = {s.settings for s in BUILTIN_SPECS if isinstance(s.settings, str)}
+    keep = {options_model(resolved), *(options_model(t.connector) for t in tiers)}
+    rows = [
+        (path, value) for path, value in flatten(settings.model_dump()) if path.partition(".")[0] not in sections - keep
+    ]
+    if isinstance(options, BaseModel) and not isinstance(options_model(resolved), str):
+        rows += [(f"{resolved.spec.name.lower()}.{p}", v) for p, v in flatten(options.model_dump())]
+    return rows
 
 
 def cmd_info(args: argparse.Namespace, _rest: list[str]) -> int:

@@ -29,8 +29,9 @@ from kvdi.allocator import GpuBufferAllocator, Staging, StagingBuffers, allocate
 from kvdi.connectors.base import ConnectorContext, KVConnectorRole, SchedulerConnector, WorkerConnector, require_role
 from kvdi.errors import ConfigError, V1EngineRequiredError
 from kvdi.layout import KVCacheSpec
-from kvdi.registry import ConnectorRegistry, LazyTarget, ResolvedConnector, Tier
+from kvdi.registry import ConnectorRegistry, LazyTarget, ResolvedConnector, Tier, import_target
 from kvdi.settings import KvdiSettings, describe_validation_error, load_settings
+from kvdi.settings.loading import option_blamer
 
 
 def check_v1_gate(settings: KvdiSettings) -> None:
@@ -50,19 +51,41 @@ def resolve_connector(registry: ConnectorRegistry, settings: KvdiSettings) -> Re
 
 
 def connector_options(resolved: ResolvedConnector, settings: KvdiSettings) -> Any:
-    """The connector's typed options: a KvdiSettings section, or its model over extra config."""
-    target = resolved.spec.settings
-    if target is None:
+    """The connector's typed options: a KvdiSettings section (built-ins), or its own model (a plugin).
+
+    A plugin's model (``ConnectorSpec.settings``: a pydantic model or ``"pkg.mod:Model"``, imported
+    here) validates its ``<name>`` section (``KVDI_<NAME>__<FIELD>``, ``kvdi.<name>.<field>`` extra
+    config, init kwargs, ``.env``, the settings file, with the usual precedence) over the plain
+    (non-``kvdi``) keys of ``kv_connector_extra_config``. A bad value is a ConfigError naming the variable.
+    """
+    model = options_model(resolved)
+    if model is None:
         return None
-    if isinstance(target, str):
-        return getattr(settings, target)
+    if isinstance(model, str):
+        return getattr(settings, model)
+    name = resolved.spec.name
+    plain = {k: v for k, v in settings.kv_connector_extra_config.items() if k != "kvdi" and not k.startswith("kvdi.")}
+    section = settings.plugin_options if settings.kv_connector.lower() == name.lower() else {}
+    try:
+        return model.model_validate({**plain, **section})
+    except ValidationError as exc:
+        blame = option_blamer()
+        text = describe_validation_error(exc, lambda loc: blame((name.lower(), *loc)), model=model)
+        raise ConfigError(f"options of connector {name!r}: {text}") from None
+
+
+def options_model(resolved: ResolvedConnector) -> type[BaseModel] | str | None:
+    """What ``ConnectorSpec.settings`` names: a KvdiSettings field (a built-in's section), a model, or None."""
+    target = resolved.spec.settings
+    if isinstance(target, str) and ":" in target:
+        target = import_target(target, resolved.spec)
+    if target is None or isinstance(target, str):
+        return target
     if isinstance(target, type) and issubclass(target, BaseModel):
-        try:
-            return target.model_validate(settings.kv_connector_extra_config)
-        except ValidationError as exc:
-            text = describe_validation_error(exc).replace("KVDI_", "KVDI_KV_CONNECTOR_EXTRA_CONFIG: ", 1)
-            raise ConfigError(f"options of connector {resolved.spec.name!r}: {text}") from None
-    raise TypeError(f"ConnectorSpec.settings of {resolved.spec.name!r} must be a field name or a pydantic model")
+        return target
+    raise TypeError(
+        f"ConnectorSpec.settings of {resolved.spec.name!r} must be a field name, a pydantic model or 'pkg.mod:Model'"
+    )
 
 
 def resolve_tiers(
@@ -77,7 +100,8 @@ def resolve_tiers(
     if field is None:
         return ()
     section = resolved.spec.settings
-    setting = f"KVDI_{section}__{field}".upper() if isinstance(section, str) else f"{resolved.spec.name}.{field}"
+    plugin = not isinstance(section, str) or ":" in section
+    setting = f"KVDI_{resolved.spec.name if plugin else section}__{field}".upper()
     tiers = []
     for name in getattr(options, field):
         tier = registry.resolve_store(name, setting)

@@ -37,8 +37,11 @@ class ConnectorSpec:
 
     ``backend`` optionally names a callable ``f(context) -> object`` built once per
     container and shared by both halves (a store, pool or client). ``settings`` names the
-    field of :class:`~kvdi.settings.KvdiSettings` that holds the connector's typed options,
-    or a pydantic model class validated from ``kv_connector_extra_config``. ``requires``
+    connector's options model: a field of :class:`~kvdi.settings.KvdiSettings` (the built-ins'
+    sections), or a plugin's pydantic model (a class, or ``"pkg.mod:Model"`` imported when the
+    connector is built) that validates the ``<name>`` section of every settings source
+    (``KVDI_<NAME>__<FIELD>``, ``kvdi.<name>.<field>`` extra config, the settings file, init
+    kwargs) over the plain keys of ``kv_connector_extra_config``. ``requires``
     lists import names of optional dependencies and ``install`` the pip requirement that
     provides them (default: the import names themselves); a connector whose requirement is
     missing fails to resolve with ``pip install '<install>'`` in its message. ``process_local``

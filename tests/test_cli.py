@@ -251,7 +251,7 @@ def test_info_masks_extra_config_secret_keys_and_odd_passwords(tmp_path: Path) -
         "visible": "plain-value",
     }
     env = {
-        "KVDI_KV_CONNECTOR": "null",
+        "KVDI_KV_CONNECTOR": "redis",  # kvdi info shows the selected connector's section only
         "KVDI_REDIS__URL": "redis://:s3cret/j#k@127.0.0.1:1/0",
         "KVDI_KV_CONNECTOR_EXTRA_CONFIG": json.dumps(extra),
     }

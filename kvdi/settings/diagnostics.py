@@ -127,9 +127,10 @@ def _known_names(model: type[BaseModel], parent: Loc) -> list[str]:
     return []
 
 
-def check_env_keys(environ: Mapping[str, str] | None = None) -> None:
+def check_env_keys(environ: Mapping[str, str] | None = None, connector: str | None = None) -> None:
     """Raise ConfigError for a ``KVDI_*`` env var that names no setting (with a did-you-mean).
 
+    ``KVDI_<CONNECTOR>__*`` variables of the selected ``connector`` (a plugin's options) pass; its model checks them.
     The variables of :data:`NON_SETTING_ENV_VARS` and of kvdi's test tooling (``KVDI_TEST_*``) are allowed.
     """
     env = os.environ if environ is None else environ
@@ -138,6 +139,8 @@ def check_env_keys(environ: Mapping[str, str] | None = None) -> None:
         if not upper.startswith(ENV_PREFIX) or upper in NON_SETTING_ENV_VARS or upper.startswith(TOOLING_ENV_PREFIX):
             continue
         path = upper[len(ENV_PREFIX) :].lower().split("__")
+        if connector and len(path) > 1 and path[0] == connector.lower() and path[0] not in KvdiSettings.model_fields:
+            continue
         model: type[BaseModel] = KvdiSettings
         for depth, part in enumerate(path):
             fields = model.model_fields

@@ -31,7 +31,7 @@ def load_settings(**overrides: Any) -> KvdiSettings:
     value (blamed on the variable, file or JSON key that gave it), unparsable JSON/TOML, or
     data nested deeper than :data:`~kvdi.settings.paths.MAX_NESTING` levels. Never echoes a secret.
     """
-    check_env_keys()
+    check_env_keys(connector=_selected_connector(overrides))
     try:
         return KvdiSettings(**overrides)
     except ValidationError as exc:
@@ -42,6 +42,23 @@ def load_settings(**overrides: Any) -> KvdiSettings:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(_describe_source_error(exc)) from None
+
+
+def _selected_connector(overrides: dict[str, Any]) -> str | None:
+    """``kv_connector`` as the highest source that sets it gives it (None when none does or a source is unreadable)."""
+    try:
+        for source in named_sources(
+            KvdiSettings,
+            InitSettingsSource(KvdiSettings, init_kwargs=overrides),
+            EnvSettingsSource(KvdiSettings),
+            DotEnvSettingsSource(KvdiSettings),
+        )[1]:
+            value = source().get("kv_connector")
+            if value is not None:
+                return str(value).strip()
+    except Exception:  # the error surfaces, worded, when the settings are built
+        return None
+    return None
 
 
 def value_sources(**overrides: Any) -> dict[str, str]:
@@ -94,6 +111,11 @@ def _blamer(overrides: dict[str, Any]) -> Callable[[Loc], str]:
         return env_var_for(loc)
 
     return blame
+
+
+def option_blamer() -> Callable[[Loc], str]:
+    """What an error at a settings path blames: the variable, extra-config key or file key that set it."""
+    return _blamer({})
 
 
 def _origin_of(dotted: str, origins: dict[str, str]) -> str | None:
@@ -169,4 +191,4 @@ def _deepest_env_var() -> str:
     return best
 
 
-__all__ = ["load_settings", "value_sources"]
+__all__ = ["load_settings", "option_blamer", "value_sources"]

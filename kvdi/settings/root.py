@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     DotEnvSettingsSource,
@@ -77,7 +77,44 @@ class KvdiDotEnvSource(DotEnvSettingsSource):
         # pydantic-settings keeps an unknown key with its prefix under extra="forbid"; strip it so
         # the error names the setting (``kv_rolle``) and the variable (``KVDI_KV_ROLLE``) as env does.
         prefix = ENV_PREFIX.lower()
-        return {key.removeprefix(prefix): value for key, value in super().__call__().items()}
+        out: dict[str, Any] = {}
+        for key, value in super().__call__().items():
+            key = key.removeprefix(prefix)
+            head, sep, _rest = key.partition("__")
+            if sep and head not in KvdiSettings.model_fields:  # a plugin connector's section: nest it as env does
+                _put(out, key.split("__"), value)
+            else:
+                out[key] = value
+        return out
+
+
+class ConnectorEnvSource(PydanticBaseSettingsSource):
+    """``KVDI_<NAME>__<FIELD>`` variables whose ``<NAME>`` is no KvdiSettings field: a plugin connector's options,
+    nested as ``{"<name>": {"<field>": value}}`` (``KvdiSettings`` keeps the selected connector's, refuses others)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in os.environ.items():
+            lower = key.lower()
+            if not lower.startswith(ENV_PREFIX.lower()) or lower.startswith(TOOLING_ENV_PREFIX.lower()):
+                continue
+            parts = lower[len(ENV_PREFIX) :].split("__")
+            if len(parts) > 1 and parts[0] not in KvdiSettings.model_fields:
+                _put(out, parts, value)
+        return out
+
+
+def _put(out: dict[str, Any], parts: list[str], value: Any) -> None:
+    node = out
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            return
+        node = child
+    node[parts[-1]] = value
 
 
 class KvdiSettings(BaseSettings):
@@ -119,6 +156,23 @@ class KvdiSettings(BaseSettings):
     multi: MultiSettings = MultiSettings()
     p2p: P2pSettings = P2pSettings()
     transfer: TransferSettings = TransferSettings()
+    plugin_options: dict[str, Any] = Field(default_factory=dict, exclude=True)
+    """The selected plugin connector's raw options (the ``<name>`` section of every source); validated by the
+    connector's own model when the connector is built (:func:`kvdi.containers.connector_options`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plugin_section(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        name = str(data.get("kv_connector") or "").strip().lower()
+        key = next((k for k in data if str(k).lower() == name and k not in cls.model_fields), None)
+        if key is None:
+            return data
+        data = dict(data)
+        section = data.pop(key)
+        data["plugin_options"] = section
+        return data
 
     @field_validator("kv_connector")
     @classmethod
@@ -167,7 +221,7 @@ def named_sources(
     Raises ConfigError naming ``KVDI_SETTINGS_FILE`` when that file is missing, unreadable,
     not TOML, or nested deeper than :data:`~kvdi.settings.paths.MAX_NESTING` levels.
     """
-    names: list[str] = ["init", "env", "vllm", "dotenv"]
+    names: list[str] = ["init", "env", "env", "vllm", "dotenv"]
     if isinstance(dotenv_settings, DotEnvSettingsSource) and not isinstance(dotenv_settings, KvdiDotEnvSource):
         dotenv_settings = KvdiDotEnvSource(
             settings_cls, env_file=dotenv_settings.env_file, env_file_encoding=dotenv_settings.env_file_encoding
@@ -175,6 +229,7 @@ def named_sources(
     sources: list[PydanticBaseSettingsSource] = [
         init_settings,
         env_settings,
+        ConnectorEnvSource(settings_cls),
         VllmCompatSource(settings_cls),
         dotenv_settings,
     ]
@@ -213,6 +268,7 @@ __all__ = [
     "ENV_PREFIX",
     "SETTINGS_FILE_ENV",
     "SOURCE_NAMES",
+    "ConnectorEnvSource",
     "KvdiDotEnvSource",
     "KvdiSettings",
     "named_sources",
