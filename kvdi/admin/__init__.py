@@ -16,16 +16,15 @@ from kvdi.admin.model import (
     BadObject,
     ClearReport,
     ForeignObject,
-    GroupStats,
     StoreAdmin,
     StoreObject,
-    StoreStats,
     VerifyReport,
     check_object,
     clear_store,
-    store_stats,
     verify_store,
 )
+from kvdi.admin.select import Selection, parse_age, parse_layout
+from kvdi.admin.stats import GroupStats, StoreStats, store_stats
 from kvdi.errors import BackendUnavailableError, ConfigError, KvdiError
 
 if TYPE_CHECKING:
@@ -88,6 +87,7 @@ __all__ = [
     "BadObject",
     "ClearReport",
     "ForeignObject",
+    "Selection",
     "GroupStats",
     "StoreAdmin",
     "StoreObject",
@@ -96,6 +96,8 @@ __all__ = [
     "check_object",
     "clear_store",
     "open_admin",
+    "parse_age",
+    "parse_layout",
     "store_stats",
     "verify_store",
 ]
