@@ -112,3 +112,11 @@ def test_redis_stats_show_the_servers_policy_and_the_keys_ttl(redis_server: Redi
     assert node["maxmemory_policy"] == "noeviction"  # redis-server's default
     assert 3500 < info["server"]["ttl"]["min_s"] <= info["server"]["ttl"]["max_s"] <= 3600
     assert "ttl_s" not in info["settings"]["redis"]
+
+
+def test_a_misspelt_connector_option_is_named_as_written(store: Path) -> None:
+    """``--connector redsi`` is blamed on ``--connector`` (not on KVDI_KV_CONNECTOR, which the user did not set), with a
+    did-you-mean."""
+    out = kvdi("store", "stats", "--connector", "redsi", env={})
+    assert out.returncode == 2 and "--connector='redsi'" in out.stderr and "(did you mean 'redis'?)" in out.stderr
+    assert "KVDI_KV_CONNECTOR" not in out.stderr
