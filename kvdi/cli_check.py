@@ -7,21 +7,23 @@
 - :func:`json_error`: ``--vllm-config`` that is not JSON, named by line and column with the
   text around the mistake.
 - :func:`check_connector_names`: a ``kv_connector`` in ``--vllm-config`` that vLLM does not
-  register (at the top, or a child of vLLM's ``MultiConnector``) gets a did-you-mean against
-  vLLM's connectors and kvdi's ``KvdiConnector``.
+  register (at the top, or a child of vLLM's ``MultiConnector``) but is a near miss of one (or
+  of kvdi's ``KvdiConnector``) is an error with a did-you-mean; other names (a plugin's, or one
+  with its own ``kv_connector_module_path``) are left to vLLM.
 
 Stores are told apart by the backend their connector spec names (as ``kvdi store`` does).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvdi.errors import ConfigError, did_you_mean
+from kvdi.errors import ConfigError
 
 SMALL_DISK_BYTES = 64 << 30
 """Free space under which an uncapped ``shared_storage`` folder earns a warning."""
@@ -35,6 +37,9 @@ VLLM_CONNECTORS = (
 )  # fmt: skip
 """The connector names vLLM 0.32 registers (``KVConnectorFactory``), for did-you-mean only."""
 KNOWN_CONNECTORS = ("KvdiConnector", *VLLM_CONNECTORS)
+CLOSE = 0.85
+"""How alike (difflib's ratio) a name must be to a known connector to be taken for a typo of it: every name ends in
+``Connector``, so a looser bound would take any other connector (a plugin's) for a typo."""
 
 
 def json_error(exc: json.JSONDecodeError, option: str = "--vllm-config") -> ConfigError:
@@ -47,25 +52,28 @@ def json_error(exc: json.JSONDecodeError, option: str = "--vllm-config") -> Conf
     )
 
 
-def _unknown(name: object, where: str) -> None:
-    if not isinstance(name, str) or name in KNOWN_CONNECTORS:
-        return
+def _unknown(entry: dict[str, Any], where: str) -> None:
+    name = entry.get("kv_connector")
+    if not isinstance(name, str) or name in KNOWN_CONNECTORS or entry.get("kv_connector_module_path"):
+        return  # a known name, or a connector of its own module (anything goes)
     same = [c for c in KNOWN_CONNECTORS if c.lower() == name.lower()]
-    hint = f" (did you mean {same[0]!r}?)" if same else did_you_mean(name, KNOWN_CONNECTORS)
-    if hint:
-        raise ConfigError(f"--vllm-config: {where}={name!r} is not a connector vLLM registers{hint}")
+    close = same or difflib.get_close_matches(name, KNOWN_CONNECTORS, n=1, cutoff=CLOSE)
+    if close:
+        raise ConfigError(
+            f"--vllm-config: {where}={name!r} is not a connector vLLM registers (did you mean {close[0]!r}?)"
+        )
 
 
 def check_connector_names(data: dict[str, Any]) -> None:
     """ConfigError with a did-you-mean when ``kv_connector`` (or a MultiConnector child's) is close to a connector
     vLLM registers but is none; names vLLM does not know and that resemble none are left to vLLM."""
-    _unknown(data.get("kv_connector"), "kv_connector")
+    _unknown(data, "kv_connector")
     extra = data.get("kv_connector_extra_config")
     multi = data.get("kv_connector") == "MultiConnector" and isinstance(extra, dict)
     children = extra.get("connectors") if multi else None  # type: ignore[union-attr]
     for i, child in enumerate(children if isinstance(children, list) else []):
         if isinstance(child, dict):
-            _unknown(child.get("kv_connector"), f"kv_connector_extra_config.connectors[{i}].kv_connector")
+            _unknown(child, f"kv_connector_extra_config.connectors[{i}].kv_connector")
 
 
 def _backends(container: Any) -> Iterator[str]:
@@ -91,6 +99,10 @@ def _redis_warnings(settings: Any, summary: str) -> list[str]:
     )
     try:
         info = client.info("memory")
+    except Exception as exc:  # INFO refused (an ACL) or the server went away since the probe: say so, do not fail
+        from kvdi.masking import mask_text
+
+        return [f"redis memory policy unknown (INFO memory: {type(exc).__name__}: {mask_text(str(exc))})"]
     finally:
         client.close()
     nodes = info.values() if settings.redis.cluster else [info]
@@ -110,7 +122,10 @@ def _disk_warnings(settings: Any) -> list[str]:
     path = Path(settings.shared_storage.path).expanduser()
     while not path.exists() and path != path.parent:
         path = path.parent
-    free = shutil.disk_usage(path).free
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return []
     if free >= SMALL_DISK_BYTES:
         return []
     return [

@@ -106,3 +106,19 @@ def test_a_misspelt_connector_class_gets_a_did_you_mean(
     code, _out, err = check(capsys, "--vllm-config", json.dumps(config))
     assert code == 2 and err.count("\n") == 1
     assert where in err and f"(did you mean {meant!r}?)" in err
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"kv_connector": "MyPluginConnector"},
+        {"kv_connector": "KvdiConector", "kv_connector_module_path": "my_pkg.connectors"},
+    ],
+)
+def test_other_connectors_are_not_taken_for_typos(
+    kvdi_env: Path, capsys: pytest.CaptureFixture[str], config: dict[str, object]
+) -> None:
+    """A name far from every registered one (a plugin's) or one with its own module path gets no did-you-mean: the
+    error is the usual "nothing of kvdi's to read"."""
+    code, _out, err = check(capsys, "--vllm-config", json.dumps(config))
+    assert code == 2 and "did you mean" not in err and "nothing of kvdi's to read" in err

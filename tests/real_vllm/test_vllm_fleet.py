@@ -77,10 +77,14 @@ def _gpu_stored(events: list[Any]) -> list[Any]:
     return [e for e in events if type(e).__name__ == "BlockStored" and e.medium == "GPU"]
 
 
-def _kvdi_cleared(events: list[Any]) -> Iterator[Any]:
-    return (
-        e for e in events if type(e).__name__ == "BlockRemoved" and e.ownership == "kvdi" and len(e.block_hashes) > 1
-    )
+def _kvdi_removed(events: list[Any]) -> set[Any]:
+    """Hashes of kvdi's BlockRemoved events (told from vLLM's by ``ownership``)."""
+    return {h for e in events if type(e).__name__ == "BlockRemoved" and e.ownership == "kvdi" for h in e.block_hashes}
+
+
+def _kvdi_live(events: list[Any]) -> set[Any]:
+    """Blocks kvdi announced stored and not (yet) removed."""
+    return {e.block_hashes[0] for e in _kvdi_stored(events)} - _kvdi_removed(events)
 
 
 def _gpu_blocks(events: list[Any]) -> dict[Any, tuple[Any, list[int]]]:
@@ -155,14 +159,14 @@ def test_events_metrics_hit_sources_and_reset(fleet: Fleet, prompts: list[list[i
     # 4. reset_cache through vLLM: vLLM's AllBlocksCleared, and kvdi's BlockRemoved (ownership "kvdi") for every block
     # it announced and did not announce removed (B's); B is no longer offered, and is stored anew.
     before = len(fleet.events.events())
-    live = {e.block_hashes[0] for e in _kvdi_stored(fleet.events.events())} - set(removed)
+    live = _kvdi_live(fleet.events.events())
+    assert live  # B's blocks
     hit_blocks = read_stats(fleet.stats, "scheduler")["lookup_hit_blocks"]
     assert fleet.server.post("/reset_prefix_cache?reset_external=true")["success"] is True
     fleet.complete(b)  # events go out with the next engine step
-    seen = fleet.events.wait_for(lambda ev: any(_kvdi_cleared(ev[before:])))
-    assert set(next(_kvdi_cleared(seen[before:])).block_hashes) == live
-    assert sum(type(e).__name__ == "AllBlocksCleared" for e in seen[before:]) == 1  # vLLM's; kvdi publishes none
+    seen = fleet.events.wait_for(lambda ev: live <= _kvdi_removed(ev[before:]))
     seen = fleet.events.wait_for(lambda ev: len(_kvdi_stored(ev)) >= a_blocks + 2 * b_blocks)
+    assert sum(type(e).__name__ == "AllBlocksCleared" for e in seen[before:]) == 1  # vLLM's; kvdi publishes none
     assert read_stats(fleet.stats, "scheduler")["lookup_hit_blocks"] == hit_blocks
     assert [e.block_hashes[0] for e in _kvdi_stored(seen)[-b_blocks:]] == [
         e.block_hashes[0] for e in _kvdi_stored(seen)[a_blocks : a_blocks + b_blocks]
@@ -273,11 +277,15 @@ def test_tp2_announces_a_block_once_both_ranks_stored_it(tp2_fleet: Fleet, promp
     _assert_series_match_stats(tp2_fleet)
 
     before = len(tp2_fleet.events.events())
+    live = _kvdi_live(tp2_fleet.events.events())
     assert tp2_fleet.server.post("/reset_prefix_cache?reset_external=true")["success"] is True
     tp2_fleet.complete(prompts[2])  # events go out with the next engine step
-    seen = tp2_fleet.events.wait_for(lambda ev: any(_kvdi_cleared(ev[before:])))
-    assert set(next(_kvdi_cleared(seen[before:])).block_hashes) <= announced
-    assert sum(type(e).__name__ == "AllBlocksCleared" for e in seen[before:]) == 1
+    seen = tp2_fleet.events.wait_for(
+        lambda ev: (
+            live <= _kvdi_removed(ev[before:]) and any(type(e).__name__ == "AllBlocksCleared" for e in ev[before:])
+        )
+    )
+    assert sum(type(e).__name__ == "AllBlocksCleared" for e in seen[before:]) == 1  # vLLM's; kvdi publishes none
 
 
 def test_hit_sources_by_store_and_multi_split_by_tier(tmp_path: Path) -> None:
