@@ -93,8 +93,10 @@ def spec_kind(kv_cache_config: Any) -> tuple[str | None, int | None]:
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()  # vLLM's config
     if not groups:
         return None, None
-    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
-
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+    except ImportError:  # a vLLM before spec kinds: its events carry none either
+        return None, None
     spec = groups[0].kv_cache_spec
     return str(get_kv_cache_spec_kind(spec).value), get_kv_cache_spec_sliding_window(spec)
 
