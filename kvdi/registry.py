@@ -172,6 +172,16 @@ BUILTIN_SPECS: tuple[ConnectorSpec, ...] = (
         description="one Redis key per framed block",
     ),
     ConnectorSpec(
+        "s3",
+        f"{_C}.store:StoreSchedulerConnector",
+        f"{_C}.store:StoreWorkerConnector",
+        backend=f"{_C}.s3:open_store",
+        settings=f"{_C}.s3.settings:S3Settings",  # its own model, as a plugin's (KVDI_S3__*)
+        requires=("boto3",),
+        install="kvdi[s3]",
+        description="one S3 object per framed block, published once (any S3-compatible bucket)",
+    ),
+    ConnectorSpec(
         "multi",
         f"{_C}.store:StoreSchedulerConnector",
         f"{_C}.store:StoreWorkerConnector",

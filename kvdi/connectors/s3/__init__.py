@@ -1,0 +1,31 @@
+"""The ``s3`` connector's backend: one S3 object per framed block, in any S3-compatible bucket.
+
+:func:`open_store` is the ``backend`` target of the ``s3`` connector spec; the generic halves in
+:mod:`kvdi.connectors.store` do the rest. Options: :class:`~kvdi.connectors.s3.settings.S3Settings`
+(``KVDI_S3__*``); the store: :mod:`.store`; boto3: :mod:`.client`; ``kvdi check``: :mod:`.probe`.
+See ``docs/s3.md``. This package is the only part of kvdi that imports boto3.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvdi.connectors.s3.settings import S3Settings
+from kvdi.connectors.s3.store import S3BlockStore
+from kvdi.connectors.store.framing import HEADER_SIZE
+
+if TYPE_CHECKING:
+    from kvdi.layout import KVCacheSpec
+    from kvdi.settings import KvdiSettings
+
+FRAME_ROOM = 64
+"""Bytes a read may return beyond header + payload (room for a trailer such as a keyed MAC)."""
+
+
+def open_store(options: S3Settings, layout: KVCacheSpec, settings: KvdiSettings) -> S3BlockStore:
+    """The ``s3`` connector's backend: a store on the bucket ``KVDI_S3__BUCKET`` names."""
+    del settings  # keys are already seeded with the layout fingerprint
+    return S3BlockStore(options, max_object_bytes=HEADER_SIZE + layout.block_bytes + FRAME_ROOM)
+
+
+__all__ = ["FRAME_ROOM", "S3BlockStore", "S3Settings", "open_store"]
