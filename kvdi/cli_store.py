@@ -86,6 +86,10 @@ def _selection(args: argparse.Namespace) -> Selection:
 def _section(settings: KvdiSettings, admin: StoreAdmin) -> dict[str, Any]:
     """The store's settings section as JSON (secrets shown as ``**********``, file modes in octal). For Redis
     the TTL is left out: the CLI's setting says nothing of what the engines wrote (``server`` has the keys' own)."""
+    if admin.kind == "s3":
+        from kvdi.admin.s3_admin import s3_options
+
+        return {"s3": json.loads(s3_options(settings).model_dump_json())}
     if admin.kind == "shared_storage":
         section = json.loads(settings.shared_storage.model_dump_json())
         section["mode"] = oct(settings.shared_storage.mode)

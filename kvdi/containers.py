@@ -63,7 +63,11 @@ def connector_options(resolved: ResolvedConnector, settings: KvdiSettings) -> An
         return None
     if isinstance(model, str):
         return getattr(settings, model)
-    name = resolved.spec.name
+    return plugin_options(resolved.spec.name, model, settings)
+
+
+def plugin_options(name: str, model: type[BaseModel], settings: KvdiSettings) -> Any:
+    """Connector ``name``'s options validated by its own ``model`` (see :func:`connector_options`); ConfigError."""
     plain = {k: v for k, v in settings.kv_connector_extra_config.items() if k != "kvdi" and not k.startswith("kvdi.")}
     section = settings.plugin_options if settings.kv_connector.lower() == name.lower() else {}
     try:

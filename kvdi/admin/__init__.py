@@ -2,7 +2,7 @@
 
 :func:`open_admin` opens the store of the selected connector (``KVDI_KV_CONNECTOR``, or the
 one named) from kvdi's settings, by the connector spec's backend: shared_storage folders
-(:mod:`.files`) and Redis servers and clusters (:mod:`.redis_admin`). The operations
+(:mod:`.files`), Redis servers and clusters (:mod:`.redis_admin`) and S3 buckets (:mod:`.s3_admin`). The operations
 (:func:`store_stats`, :func:`verify_store`, :func:`clear_store`) are in :mod:`.model`; they only
 ever remove an object whose content is a kvdi frame (foreign entries are reported and kept).
 """
@@ -52,9 +52,16 @@ def _redis(settings: KvdiSettings) -> StoreAdmin:
     return RedisStoreAdmin(settings.redis)
 
 
+def _s3(settings: KvdiSettings) -> StoreAdmin:
+    from kvdi.admin.s3_admin import S3StoreAdmin, s3_options
+
+    return S3StoreAdmin(s3_options(settings))
+
+
 _ADMINS: dict[str, Callable[[KvdiSettings], StoreAdmin]] = {
     "kvdi.connectors.shared_storage:open_store": _files,
     "kvdi.connectors.redis:open_store": _redis,
+    "kvdi.connectors.s3:open_store": _s3,
 }
 """Administration by the backend a connector spec names, so any connector over these stores is covered."""
 
@@ -76,7 +83,7 @@ def open_admin(settings: KvdiSettings, connector: str | None = None) -> StoreAdm
     if opener is None:
         raise ConfigError(
             f"KVDI_KV_CONNECTOR={name!r}: kvdi store administers shared stores only (connectors over "
-            "shared_storage or redis); select one with KVDI_KV_CONNECTOR or --connector"
+            "shared_storage, redis or s3); select one with KVDI_KV_CONNECTOR or --connector"
         )
     try:
         return opener(settings)
