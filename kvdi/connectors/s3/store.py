@@ -23,8 +23,9 @@ import logging
 import re
 import secrets
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvdi.connectors.breaker import BreakerOpenError, BreakerState, CircuitBreaker
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+PREFETCH_OBJECTS_PER_WORKER = 4  # reads kept ahead of the loads, per worker (each at most one frame)
 UNSIZED_READ_BYTES = 1 << 30  # the bound of a read whose frame size the store was not told
 _TOTAL = re.compile(r"^bytes \d+-\d+/(\d+)$")
 
@@ -62,6 +64,8 @@ class S3BlockStore:
         self._logged: set[str] = set()
         self._pool = ThreadPoolExecutor(options.workers, thread_name_prefix="kvdi-s3")
         self._workers = options.workers
+        self._ahead: OrderedDict[bytes, Future[Buffer | None]] = OrderedDict()
+        self._ahead_cap = PREFETCH_OBJECTS_PER_WORKER * options.workers
 
     def __repr__(self) -> str:
         return f"S3BlockStore({self.label!r}, key_prefix={self.key_prefix!r}, breaker={self.breaker.state.value})"
@@ -81,8 +85,28 @@ class S3BlockStore:
         return count
 
     def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        """Each key's object (never more than one frame is read) or None: absent, oversize, or any odd reply."""
-        return self._map(self._get, keys, miss=None)
+        """Each key's object (never more than one frame is read) or None: absent, oversize, or any odd reply.
+
+        Objects read ahead by :meth:`prefetch` are taken from there (each read once), the rest in parallel.
+        """
+        with self._lock:
+            ahead = [self._ahead.pop(k, None) for k in keys]
+        rest = [k for k, f in zip(keys, ahead, strict=True) if f is None]
+        fetched = iter(self._map(self._get, rest, miss=None))
+        return [next(fetched) if f is None else f.result() for f in ahead]
+
+    def prefetch(self, keys: Sequence[bytes]) -> bool:
+        """:class:`~kvdi.connectors.store.PrefetchStore`: start reading ``keys`` on the pool (at most
+        ``4 x workers`` objects ahead; the oldest unclaimed reads are dropped first). True: reading ahead pays."""
+        if not self.breaker.allow():
+            return False
+        with self._lock:
+            for key in keys:
+                if key not in self._ahead:
+                    self._ahead[key] = self._pool.submit(self._get, key)
+            while len(self._ahead) > self._ahead_cap:
+                self._ahead.popitem(last=False)[1].cancel()
+        return True
 
     def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
         """Publish each object once (``If-None-Match: *``); returns how many are there now (ours or another's).
@@ -102,6 +126,10 @@ class S3BlockStore:
 
     def discard(self, key: bytes) -> None:
         """``DeleteObject`` (absent keys are fine); raises ConnectionError while the breaker is open."""
+        with self._lock:
+            dropped = self._ahead.pop(key, None)
+        if dropped is not None:
+            dropped.cancel()
         if not self.breaker.allow():
             raise self._refusal("discard")
         try:
@@ -128,7 +156,8 @@ class S3BlockStore:
 
     def close(self) -> None:
         """Stop the thread pool and close the pooled connections; the store must not be used afterwards."""
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._ahead.clear()
         self.client.close()
 
     # the calls
