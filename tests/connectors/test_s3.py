@@ -134,3 +134,21 @@ def test_objects_outside_the_prefix_are_never_touched(endpoint: str, open_s3: Ca
     for key in KEYS:
         store.discard(key)
     assert object_names(endpoint, store.bucket) == ["other/app.bin"]
+
+
+def test_objects_read_ahead_are_the_objects_stored(open_s3: Callable[..., S3BlockStore]) -> None:
+    """prefetch() then get_many(): the same bytes as a plain read, and a key never stored still misses."""
+    store = open_s3()
+    store.put_many([(k, [frame(i)]) for i, k in enumerate(KEYS[:3])])
+    assert store.prefetch(KEYS) is True
+    got = store.get_many(KEYS)
+    assert [bytes(o) if o is not None else None for o in got] == [frame(0), frame(1), frame(2), None]
+
+
+def test_a_discarded_object_read_ahead_is_not_served(open_s3: Callable[..., S3BlockStore]) -> None:
+    """A block read ahead, then discarded (found corrupt elsewhere), is read again from the bucket: absent."""
+    store = open_s3()
+    store.put_many([(KEYS[0], [frame(0)])])
+    store.prefetch([KEYS[0]])
+    store.discard(KEYS[0])
+    assert store.get_many([KEYS[0]]) == [None]
