@@ -13,7 +13,7 @@ from kvdi.connectors.breaker import BreakerState
 from kvdi.connectors.s3 import S3BlockStore, S3Settings
 from kvdi.testing.conformance import BLOCKS, FRAME_BYTES, KEYS, PROMPT, Halves, frame
 from kvdi.testing.latency_proxy import LatencyProxy
-from tests.helpers.s3 import new_bucket, s3_server
+from tests.helpers.s3 import ThrottlingProxy, new_bucket, s3_server
 
 FAST_FAIL = {"connect_timeout_s": 0.3, "read_timeout_s": 0.3, "max_attempts": 1, "breaker_reset_s": 60.0}
 
@@ -63,3 +63,38 @@ def test_after_breaker_failures_calls_are_refused_without_reaching_the_endpoint(
         store.put_many([(KEYS[0], [frame(1)])])
     assert time.monotonic() - began < 0.1 and store.misses["breaker"] == 2 * len(KEYS) + 1
     store.close()
+
+
+def test_throttling_is_retried_with_backoff_within_max_attempts() -> None:
+    """Two ``503 SlowDown`` replies, then the object: with max_attempts=3 botocore retries and the read succeeds."""
+    with s3_server() as url:
+        bucket = new_bucket(url)
+        proxy = ThrottlingProxy(url)
+        try:
+            store = S3BlockStore(S3Settings(bucket=bucket, endpoint_url=proxy.url, max_attempts=3), FRAME_BYTES)
+            store.put_many([(KEYS[0], [frame(1)])])
+            proxy.throttle = 2
+            got = store.get_many([KEYS[0]])[0]
+            assert got is not None and bytes(got) == frame(1)
+            assert proxy.throttled == 2 and not store.misses
+            store.close()
+        finally:
+            proxy.close()
+
+
+def test_throttling_past_max_attempts_is_a_counted_miss_that_feeds_the_breaker() -> None:
+    """SlowDown on every attempt: the read misses, counted ``failed``, and a breaker of one failure opens."""
+    with s3_server() as url:
+        bucket = new_bucket(url)
+        proxy = ThrottlingProxy(url)
+        try:
+            options = S3Settings(bucket=bucket, endpoint_url=proxy.url, max_attempts=2, breaker_failures=1)
+            store = S3BlockStore(options, FRAME_BYTES)
+            store.put_many([(KEYS[0], [frame(1)])])
+            proxy.throttle = 2
+            assert store.get_many([KEYS[0]]) == [None]
+            assert proxy.throttled == 2 and store.misses["failed"] == 1
+            assert store.breaker.state is BreakerState.OPEN
+            store.close()
+        finally:
+            proxy.close()

@@ -53,3 +53,66 @@ def object_names(endpoint_url: str, bucket: str) -> list[str]:
     """Every object name in ``bucket``."""
     reply = raw_client(endpoint_url).list_objects_v2(Bucket=bucket)
     return [o["Key"] for o in reply.get("Contents", [])]
+
+
+class ThrottlingProxy:
+    """An HTTP proxy in front of an S3 endpoint that answers the next ``throttle`` requests ``503 SlowDown``
+    (as S3 does when a prefix is hot) and forwards every other request as it is."""
+
+    def __init__(self, endpoint_url: str) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        target = urlsplit(endpoint_url)
+        proxy = self
+        self.throttle = 0
+        self.throttled = 0
+        self._lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:  # quiet
+                pass
+
+            def _any(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with proxy._lock:
+                    slow = proxy.throttle > 0
+                    if slow:
+                        proxy.throttle -= 1
+                        proxy.throttled += 1
+                if slow:
+                    error = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(error)
+                    return
+                conn = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=30)
+                conn.request(self.command, self.path, body=body, headers=dict(self.headers))
+                reply = conn.getresponse()
+                data = reply.read()
+                self.send_response(reply.status)
+                for name, value in reply.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _any
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()

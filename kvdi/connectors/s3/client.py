@@ -35,7 +35,7 @@ def make_client(options: S3Settings) -> Any:
         region_name=options.region,
         connect_timeout=options.connect_timeout_s,
         read_timeout=options.read_timeout_s,
-        retries={"max_attempts": options.max_attempts, "mode": options.retry_mode},
+        retries={"total_max_attempts": options.max_attempts, "mode": options.retry_mode},  # the first included
         max_pool_connections=options.workers,
         # kvdi's frames carry their own checksum: no second CRC over every byte on each side.
         request_checksum_calculation="when_required",
