@@ -215,17 +215,18 @@ def cmd_check(args: argparse.Namespace, _rest: list[str]) -> int:
     With ``--vllm-config JSON`` the settings are those kvdi's vLLM adapter builds from that
     ``--kv-transfer-config``: its ``kvdi.*`` extra-config keys over ``KVDI_*`` env, ``.env``, file.
     """
+    from kvdi.cli_check import check_warnings
     from kvdi.containers import build_engine_container
 
     settings = _check_settings(args.vllm_config)
     container = build_engine_container(settings)
     resolved = container.kv.connector()
-    plan = container.alloc.plan()
+    container.alloc.plan()  # an impossible budget fails here; its block count is the reference engine's, not vLLM's
     summary = _probe_backend(container, resolved.spec.name)
+    warnings = check_warnings(settings, container, summary)
     print(
-        f"ok: connector {resolved.spec.name} ({resolved.origin}), {plan.num_blocks} KV blocks on {plan.device} "
-        f"(host staging {plan.staging_bytes} B, device staging {plan.device_staging_bytes} B); "
-        f"backend: {_one_line(summary)}"
+        f"ok: connector {resolved.spec.name} ({resolved.origin}); backend: {_one_line(summary)}"
+        + "".join(f"\nwarning: {w}" for w in warnings)
     )
     if args.vllm_config is not None:
         from kvdi.integrations.vllm.config import load_failure_outcome
@@ -236,6 +237,7 @@ def cmd_check(args: argparse.Namespace, _rest: list[str]) -> int:
 
 def _check_settings(vllm_config: str | None) -> Any:
     """Settings for ``kvdi check``; with vLLM's JSON, as the adapter builds them, errors naming the JSON key."""
+    from kvdi.cli_check import check_connector_names, json_error
     from kvdi.settings import load_settings
     from kvdi.settings.loading import errors_as_written
     from kvdi.settings.vllm_compat import adapter_overrides, transfer_key
@@ -244,10 +246,13 @@ def _check_settings(vllm_config: str | None) -> Any:
         return load_settings()
     try:
         data = json.loads(vllm_config)
+    except json.JSONDecodeError as exc:
+        raise json_error(exc) from None
     except (ValueError, RecursionError):
         raise ConfigError("--vllm-config is not valid JSON; pass vLLM's --kv-transfer-config JSON object") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--vllm-config must be a JSON object, got {type(data).__name__}")
+    check_connector_names(data)
     overrides = adapter_overrides(data, "--vllm-config")
     with errors_as_written(overrides, transfer_key("--vllm-config")):
         return load_settings(**overrides)

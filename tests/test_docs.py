@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [
     "README.md",
     *(f"docs/{name}" for name in ("configuration.md", "connectors.md", "vllm.md", "sizing.md", "operations.md")),
+    *(f"docs/{name}" for name in ("deployment.md", "troubleshooting.md", "migration.md")),
 ]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 NOT_RUN_HERE = ("make", "python", "curl", "sudo", "redis-cli", "vllm", ".ci/vllm-tests.sh", "install")

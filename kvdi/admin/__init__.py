@@ -16,17 +16,16 @@ from kvdi.admin.model import (
     BadObject,
     ClearReport,
     ForeignObject,
-    GroupStats,
     StoreAdmin,
     StoreObject,
-    StoreStats,
     VerifyReport,
     check_object,
     clear_store,
-    store_stats,
     verify_store,
 )
-from kvdi.errors import BackendUnavailableError, ConfigError, KvdiError
+from kvdi.admin.select import Selection, parse_age, parse_layout
+from kvdi.admin.stats import GroupStats, StoreStats, store_stats
+from kvdi.errors import BackendUnavailableError, ConfigError, KvdiError, UnknownConnectorError
 
 if TYPE_CHECKING:
     from kvdi.settings import KvdiSettings
@@ -67,7 +66,12 @@ def open_admin(settings: KvdiSettings, connector: str | None = None) -> StoreAdm
     from kvdi.registry import ConnectorRegistry
 
     name = connector or settings.kv_connector
-    spec = ConnectorRegistry().get(name, settings.kv_connector_module_path).spec
+    try:
+        spec = ConnectorRegistry().get(name, settings.kv_connector_module_path).spec
+    except UnknownConnectorError as exc:
+        if connector is None:
+            raise
+        raise ConfigError(str(exc).replace(f"KVDI_KV_CONNECTOR={name!r}", f"--connector={name!r}")) from None
     opener = _ADMINS.get(spec.backend or "")
     if opener is None:
         raise ConfigError(
@@ -88,6 +92,7 @@ __all__ = [
     "BadObject",
     "ClearReport",
     "ForeignObject",
+    "Selection",
     "GroupStats",
     "StoreAdmin",
     "StoreObject",
@@ -96,6 +101,8 @@ __all__ = [
     "check_object",
     "clear_store",
     "open_admin",
+    "parse_age",
+    "parse_layout",
     "store_stats",
     "verify_store",
 ]

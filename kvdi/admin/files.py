@@ -17,6 +17,7 @@ import os
 import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvdi.admin.model import StoreObject, is_hex, is_key_name
 from kvdi.connectors.shared_storage.safe_dir import DIR_FLAGS
@@ -133,6 +134,10 @@ class FileStoreAdmin:
             return False
         finally:
             os.close(sub)
+
+    def server_info(self) -> dict[str, Any]:
+        """The store folder's permission bits, in octal as ``chmod`` takes them (e.g. ``0o700``)."""
+        return {"folder_mode": oct(stat.S_IMODE(os.fstat(self._fd).st_mode))}
 
     def close(self) -> None:
         if self._fd >= 0:

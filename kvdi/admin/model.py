@@ -1,10 +1,10 @@
 """What every store administration backend offers, and the three operations over it (stats, verify, clear).
 
-A backend (:class:`StoreAdmin`) lists the objects of one store (:class:`StoreObject`: its
-name, the fan-out folder or node that holds it, its size and last write-or-use time), reads a
-bounded range of objects, removes one, and describes where it is. The operations here know
-nothing about files or Redis: :func:`store_stats` sums the listing per group,
-:func:`verify_store` checks every object as a frame, :func:`clear_store` removes every object.
+A backend (:class:`StoreAdmin`) lists the objects of one store (:class:`StoreObject`: name,
+folder or node, size, last write-or-use time), reads a bounded range of objects, removes one.
+The operations know nothing about files or Redis: :func:`store_stats` sums the listing per
+layout fingerprint, :func:`verify_store` checks each object as a frame, :func:`clear_store`
+removes objects; each takes a :class:`~kvdi.admin.select.Selection` (a layout, an age).
 
 Two tests make an entry kvdi's. Its name: 32 hex digits under the backend's prefix or fan-out
 folder (anything else is ``other``, never read). Its content: the first :data:`HEADER_SIZE`
@@ -24,7 +24,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvdi.connectors.store.framing import (
     HEADER_SIZE,
@@ -42,6 +42,10 @@ MAX_OBJECT_BYTES = 1 << 30
 large model's block is a few MiB)."""
 READ_CHUNK = 4 << 20
 """The most bytes of one object held at once while ``verify`` checks it."""
+if TYPE_CHECKING:
+    from kvdi.admin.select import Selection
+
+Progress = Callable[[int, int], None]
 _BATCH = 256  # objects whose headers are read in one call
 _LENGTH = struct.Struct("<Q")
 _LENGTH_AT = 40  # the header's payload-length field (see kvdi.connectors.store.framing)
@@ -94,51 +98,11 @@ class StoreAdmin(Protocol):
         """Remove the object (only ever called for one whose content is a kvdi frame); False when already gone."""
         ...
 
+    def server_info(self) -> dict[str, Any]:
+        """What the store's server says about how it keeps objects (Redis: memory policy, keys' TTLs), or {}."""
+        ...
+
     def close(self) -> None: ...
-
-
-@dataclass
-class GroupStats:
-    objects: int = 0
-    bytes: int = 0
-    oldest: float | None = None
-    newest: float | None = None
-
-    def add(self, obj: StoreObject) -> None:
-        self.objects += 1
-        self.bytes += obj.size
-        if obj.stamp is not None:
-            self.oldest = obj.stamp if self.oldest is None else min(self.oldest, obj.stamp)
-            self.newest = obj.stamp if self.newest is None else max(self.newest, obj.stamp)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"objects": self.objects, "bytes": self.bytes, "oldest": self.oldest, "newest": self.newest}
-
-
-@dataclass
-class StoreStats:
-    """kvdi objects and bytes in total and per group (fan-out folder or cluster node); ``other``: entries of
-    other names; ``foreign``: entries under an object's name that are no kvdi frame (``odd`` of them no plain
-    object at all)."""
-
-    kind: str
-    where: str
-    total: GroupStats
-    groups: dict[str, GroupStats]
-    other: int
-    odd: int
-    foreign: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "where": self.where,
-            **self.total.as_dict(),
-            "other_entries": self.other,
-            "odd_entries": self.odd,
-            "foreign_entries": self.foreign,
-            "groups": {name: g.as_dict() for name, g in sorted(self.groups.items())},
-        }
 
 
 def is_frame_header(head: bytes | None) -> bool:
@@ -156,21 +120,9 @@ def headed(admin: StoreAdmin, listing: Sequence[StoreObject]) -> Iterator[tuple[
             yield obj, (b"" if obj.odd is not None else next(heads))
 
 
-def store_stats(admin: StoreAdmin) -> StoreStats:
-    """Count every kvdi object of the store (its header read to tell), in total and per group."""
-    total = GroupStats()
-    groups: dict[str, GroupStats] = {}
-    odd = foreign = 0
-    for obj, head in headed(admin, list(admin.objects())):
-        if head is None:
-            continue  # vanished
-        if not is_frame_header(head):
-            foreign += 1
-            odd += obj.odd is not None
-            continue
-        total.add(obj)
-        groups.setdefault(obj.group, GroupStats()).add(obj)
-    return StoreStats(admin.kind, admin.where, total, groups, admin.other_entries(), odd, foreign)
+def selected(selection: Selection | None, obj: StoreObject, head: bytes) -> bool:
+    """Whether ``selection`` (None: everything) takes the kvdi object ``obj`` with header ``head``."""
+    return selection is None or selection.wants(obj, head)
 
 
 def check_object(data: bytes | None, size: int, key: FrameKey | None, name: str) -> str | None:
@@ -282,8 +234,9 @@ def verify_store(
     admin: StoreAdmin,
     key: FrameKey | None = None,
     drop: bool = False,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
     max_object_bytes: int = MAX_OBJECT_BYTES,
+    selection: Selection | None = None,
 ) -> VerifyReport:
     """Check every kvdi object (at most one frame read of each); with ``drop`` remove the bad ones. Foreign entries
     are listed in ``foreign`` and left alone. ``progress(done, total)`` after each."""
@@ -293,7 +246,7 @@ def verify_store(
     for done, (obj, head) in enumerate(headed(admin, listing), 1):
         if head is not None and not is_frame_header(head):
             report.foreign.append(_foreign(obj))
-        else:
+        elif head is None or selected(selection, obj, head):
             reason = "vanished" if head is None else check_streamed(admin, obj, head, key, max_object_bytes)
             if reason is None:
                 report.checked += 1
@@ -329,16 +282,19 @@ class ClearReport:
 
 
 def clear_store(
-    admin: StoreAdmin, progress: Callable[[int, int], None] | None = None, dry_run: bool = False
+    admin: StoreAdmin,
+    progress: Progress | None = None,
+    dry_run: bool = False,
+    selection: Selection | None = None,
 ) -> ClearReport:
-    """Remove every object whose header says it is kvdi's (checked right before its removal); foreign entries
-    stay. With ``dry_run`` nothing is removed: the report lists what would be."""
+    """Remove every (selected) object whose header says it is kvdi's (checked right before its removal); foreign
+    entries stay. With ``dry_run`` nothing is removed: the report lists what would be."""
     report = ClearReport(admin.kind, admin.where, dry_run=dry_run)
     listing = list(admin.objects())
     for done, (obj, head) in enumerate(headed(admin, listing), 1):
         if head is not None and not is_frame_header(head):
             report.foreign.append(_foreign(obj))
-        elif head is not None and (dry_run or admin.remove(obj)):
+        elif head is not None and selected(selection, obj, head) and (dry_run or admin.remove(obj)):
             report.removed.append(obj)
         if progress is not None:
             progress(done, len(listing))
@@ -351,18 +307,16 @@ __all__ = [
     "BadObject",
     "ClearReport",
     "ForeignObject",
-    "GroupStats",
     "StoreAdmin",
     "StoreObject",
-    "StoreStats",
     "VerifyReport",
     "check_object",
     "check_streamed",
     "clear_store",
+    "selected",
     "headed",
     "is_frame_header",
     "is_hex",
     "is_key_name",
-    "store_stats",
     "verify_store",
 ]

@@ -24,7 +24,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from kvdi.admin.model import StoreObject, is_key_name
-from kvdi.connectors.redis.bounded import SCAN, SMALL, Bounds
+from kvdi.connectors.redis.bounded import INFO, SCAN, SMALL, Bounds
 from kvdi.connectors.redis.breaker import CircuitBreaker
 from kvdi.connectors.redis.server import Exchange, RedisNode, client_options, pack_command
 from kvdi.errors import ConfigError
@@ -73,6 +73,7 @@ class RedisStoreAdmin:
         self.kind = "redis cluster" if options.cluster else "redis"
         self.where = f"{mask_url(raw)} key_prefix={options.key_prefix!r}"
         self._other = 0
+        self._ttls: list[int] = []  # the listed objects' remaining lives in ms (-1: none), as the server says
         self._cluster: RedisCluster | None = None
         self._clients: list[Any] = []
 
@@ -94,6 +95,7 @@ class RedisStoreAdmin:
 
     def objects(self) -> Iterator[StoreObject]:
         self._other = 0
+        self._ttls = []
         match = _glob_escape(self._prefix) + b"*"
         for group, node in self._nodes:
             batch: list[bytes] = []
@@ -122,11 +124,14 @@ class RedisStoreAdmin:
                 return
 
     def _describe(self, group: str, node: RedisNode, names: list[bytes]) -> Iterator[StoreObject]:
-        commands = [c for n in names for c in (pack_command(b"STRLEN", n), pack_command(b"OBJECT", b"IDLETIME", n))]
+        asks = (b"STRLEN", b"OBJECT IDLETIME", b"PTTL")
+        commands = [pack_command(*ask.split(), n) for n in names for ask in asks]
         replies = _replies(node, commands, "describe", SMALL)
         now = time.time()
         for i, name in enumerate(names):
-            size, idle = replies[2 * i], replies[2 * i + 1]
+            size, idle, ttl = replies[3 * i : 3 * i + 3]
+            if type(ttl) is int and ttl >= -1:
+                self._ttls.append(ttl)
             label = name[len(self._prefix) :].decode("latin-1")
             if isinstance(size, redis.ResponseError):
                 yield StoreObject(label, group, 0, None, ref=(node, name), odd="not a string")
@@ -157,6 +162,26 @@ class RedisStoreAdmin:
         node, name = obj.ref
         (reply,) = _replies(node, [pack_command(b"DEL", name)], "remove", SMALL)
         return reply == 1
+
+    def server_info(self) -> dict[str, Any]:
+        """The server's own memory policy (``INFO memory``, per node) and the TTLs its keys really carry (from the
+        last listing: kvdi's settings here are the CLI's, not those the engines wrote with)."""
+        nodes: dict[str, Any] = {}
+        for label, node in self._nodes:
+            (reply,) = _replies(node, [pack_command(b"INFO", b"memory")], "info", INFO)
+            text = bytes(reply).decode("latin-1") if isinstance(reply, bytes | bytearray) else ""
+            fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+            nodes[label] = {
+                "maxmemory_policy": fields.get("maxmemory_policy", "unknown").strip(),
+                "maxmemory": int(fields.get("maxmemory", "0").strip() or 0),
+            }
+        lives = [t / 1000 for t in self._ttls if t >= 0]
+        ttl = {
+            "objects_without_ttl": sum(t == -1 for t in self._ttls),
+            "min_s": min(lives) if lives else None,
+            "max_s": max(lives) if lives else None,
+        }
+        return {"nodes": nodes, "ttl": ttl}
 
     def close(self) -> None:
         if self._cluster is not None:

@@ -72,6 +72,11 @@ class HostPoolStore:
     def __len__(self) -> int:
         return len(self._lru)
 
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the slots in use (for ``vllm:kvdi_store_bytes``)."""
+        return len(self._lru) * self.slot_bytes
+
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         with self._lock:
             for n, key in enumerate(keys):

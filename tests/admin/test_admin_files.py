@@ -11,7 +11,7 @@ import pytest
 from kvdi.admin import check_object, clear_store, open_admin, store_stats, verify_store
 from kvdi.connectors.shared_storage import FileBlockStore
 from kvdi.settings import load_settings
-from tests.admin.helpers import corruptions, frame, key, kvdi
+from tests.admin.helpers import FINGERPRINTS, corruptions, frame, key, kvdi
 
 GOOD = 40
 
@@ -41,9 +41,9 @@ KVDI_CORRUPT = {n: r for n, r in corruptions().items() if n != "magic"}  # "magi
 FOREIGN = {key(1001).hex(): "no frame header", key(2000).hex(): "symlink"}
 
 
-def test_stats_counts_objects_bytes_and_folders(store: Path) -> None:
-    """kvdi objects and bytes in total and per fan-out folder; foreign entries (no frame header, a symlink) and
-    temp files are counted apart."""
+def test_stats_counts_objects_bytes_and_layouts(store: Path) -> None:
+    """kvdi objects and bytes in total and per layout fingerprint read from each frame (not per fan-out folder);
+    foreign entries (no frame header, a symlink) and temp files are counted apart."""
     admin = open_admin(load_settings(**{"shared_storage": {"path": store}}))
     try:
         stats = store_stats(admin)
@@ -52,7 +52,8 @@ def test_stats_counts_objects_bytes_and_folders(store: Path) -> None:
     sizes = [len(frame(i)) for i in range(GOOD)] + [len(v) for v in KVDI_CORRUPT.values()]
     assert stats.total.objects == len(sizes) and stats.total.bytes == sum(sizes)
     assert sum(g.objects for g in stats.groups.values()) == len(sizes)
-    assert set(stats.groups) == {key(i).hex()[:2] for i in [*range(GOOD), 1000, 1002, 1003]}
+    assert set(stats.groups) == {f.hex() for f in FINGERPRINTS}  # frames alternate between two layouts
+    assert stats.groups[FINGERPRINTS[0].hex()].objects == GOOD // 2
     assert stats.odd == 1 and stats.other == 1 and stats.foreign == 2
     assert stats.total.oldest is not None and stats.total.oldest <= stats.total.newest  # type: ignore[operator]
 

@@ -45,7 +45,7 @@ def _fill(options: RedisSettings) -> None:
         store.close()
 
 
-def _exercise(url: str, cluster: bool, plant_client: redis.Redis | redis.RedisCluster, groups: int) -> None:
+def _exercise(url: str, cluster: bool, plant_client: redis.Redis | redis.RedisCluster, nodes: int) -> None:
     options = RedisSettings(url=url, cluster=cluster, key_prefix=PREFIX)  # type: ignore[arg-type]
     _fill(options)
     expected = _plant(plant_client)  # type: ignore[arg-type]
@@ -55,7 +55,8 @@ def _exercise(url: str, cluster: bool, plant_client: redis.Redis | redis.RedisCl
         stats = store_stats(admin)
         sizes = [len(frame(i)) for i in range(GOOD)] + [len(v) for r, v in corruptions().items() if r != "magic"]
         assert (stats.total.objects, stats.total.bytes) == (len(sizes), sum(sizes))
-        assert len(stats.groups) == groups and all(g.objects for g in stats.groups.values())
+        assert len(stats.groups) == 2 and all(g.objects for g in stats.groups.values())  # two layouts
+        assert len(stats.nodes) == (nodes if cluster else 0) and all(g.objects for g in stats.nodes.values())
         assert stats.other == 1 and stats.odd == 1 and stats.foreign == 2
         report = verify_store(admin, drop=True)
         assert {b.name: b.reason for b in report.bad} == expected
@@ -77,7 +78,7 @@ def _exercise(url: str, cluster: bool, plant_client: redis.Redis | redis.RedisCl
 def test_single_server_stats_verify_clear(redis_server: RedisServer) -> None:
     client = redis.Redis.from_url(redis_server.url)
     try:
-        _exercise(redis_server.url, False, client, groups=1)
+        _exercise(redis_server.url, False, client, nodes=1)
     finally:
         client.close()
 
@@ -94,7 +95,7 @@ def test_cluster_stats_per_master_verify_clear(cluster: RedisClusterServers) -> 
     """Every master is one group; the planted objects are found on whichever master holds them."""
     client = redis.RedisCluster.from_url(cluster.url)
     try:
-        _exercise(cluster.url, True, client, groups=3)
+        _exercise(cluster.url, True, client, nodes=3)
     finally:
         client.close()
 
@@ -108,7 +109,7 @@ def test_cli_on_cluster_and_unreachable_server(cluster: RedisClusterServers) -> 
     stats = kvdi("store", "stats", "--json", env=env)
     assert stats.returncode == 0, stats.stderr
     info = json.loads(stats.stdout)
-    assert info["objects"] == GOOD and len(info["groups"]) == 3 and info["kind"] == "redis cluster"
+    assert info["objects"] == GOOD and len(info["nodes"]) == 3 and info["kind"] == "redis cluster"
     assert info["settings"]["redis"]["cluster"] is True
     assert kvdi("store", "verify", env=env).returncode == 0
     cleared = kvdi("store", "clear", "--yes", "--json", env=env)

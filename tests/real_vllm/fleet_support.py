@@ -99,6 +99,19 @@ def scrape(server: VllmServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
     return samples
 
 
+def exposed(server: VllmServer) -> set[str]:
+    """Every series name ``/metrics`` exposes: its samples' names, and each family's (a labelled family with no
+    child yet, such as a Redis node's breaker before any node reported, still shows its ``# TYPE`` line)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names: set[str] = set()
+    for family in text_string_to_metric_families(server.metrics()):
+        names.add(family.name + ("_total" if family.type == "counter" else ""))
+        names.add(family.name)
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
 def series(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
     """The sum of ``name``'s samples whose labels include ``labels`` (0 when there are none)."""
     return sum(v for (n, lab), v in samples.items() if n == name and labels.items() <= dict(lab).items())

@@ -6,8 +6,10 @@ parsed with prometheus_client. One server, in order: a storing request (kvdi's
 ``BlockStored`` carry the hashes vLLM published for the same GPU blocks), a loading request
 after vLLM's own prefix cache is reset (kvdi's hits under ``source="disk"``), a request that
 pushes the store past its size cap (``BlockRemoved`` for the evicted blocks), a reset with
-``reset_external`` (kvdi's ``AllBlocksCleared``; nothing stored before it is offered again),
-and kvdi's series equal to kvdi's own stats files.
+``reset_external`` (kvdi's ``BlockRemoved`` for what it announced, vLLM's own
+``AllBlocksCleared``; nothing stored before it is offered again), and kvdi's series equal to
+kvdi's own stats files. The same server's ``/metrics`` has every kvdi series at 0 before the
+first request, and every series the shipped Grafana dashboard and alert rules query.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.real_vllm.fleet_support import EventSubscriber, FleetServer, scrape, series
+from tests.helpers.deploy import series_used
+from tests.real_vllm.fleet_support import EventSubscriber, FleetServer, exposed, scrape, series
 from tests.real_vllm.serve_support import model_with_tokenizer, word
 from tests.real_vllm.vllm_support import BLOCK_SIZE, kv_config, read_stats, require_vllm
 
@@ -74,6 +77,16 @@ def _gpu_stored(events: list[Any]) -> list[Any]:
     return [e for e in events if type(e).__name__ == "BlockStored" and e.medium == "GPU"]
 
 
+def _kvdi_removed(events: list[Any]) -> set[Any]:
+    """Hashes of kvdi's BlockRemoved events (told from vLLM's by ``ownership``)."""
+    return {h for e in events if type(e).__name__ == "BlockRemoved" and e.ownership == "kvdi" for h in e.block_hashes}
+
+
+def _kvdi_live(events: list[Any]) -> set[Any]:
+    """Blocks kvdi announced stored and not (yet) removed."""
+    return {e.block_hashes[0] for e in _kvdi_stored(events)} - _kvdi_removed(events)
+
+
 def _gpu_blocks(events: list[Any]) -> dict[Any, tuple[Any, list[int]]]:
     """vLLM's own GPU-block events, one entry per block: hash -> (parent hash, token ids)."""
     out: dict[Any, tuple[Any, list[int]]] = {}
@@ -83,6 +96,22 @@ def _gpu_blocks(events: list[Any]) -> dict[Any, tuple[Any, list[int]]]:
             out[block_hash] = (parent, event.token_ids[j * event.block_size : (j + 1) * event.block_size])
             parent = block_hash
     return out
+
+
+def test_every_kvdi_series_has_a_sample_at_zero_before_the_first_request(fleet: Fleet) -> None:
+    """Right after the server started (this module's first test), every kvdi counter and histogram has a sample at 0
+    for both roles, and the in-flight gauge is named with its unit last."""
+    from kvdi.integrations.vllm.fleet.prom import COUNTERS, HISTOGRAMS
+
+    metrics = scrape(fleet.server)
+    for role in ("scheduler", "worker"):
+        for name, _doc in COUNTERS.values():
+            assert (f"{name}_total", role) in {(n, dict(lab).get("role")) for n, lab in metrics}, (name, role)
+            assert series(metrics, f"{name}_total", role=role) == 0
+        for name, _doc in HISTOGRAMS.values():
+            assert series(metrics, f"{name}_count", role=role) == 0
+    names = {n for n, _ in metrics}
+    assert "vllm:kvdi_in_flight_bytes" in names and "vllm:kvdi_bytes_in_flight" not in names
 
 
 def test_events_metrics_hit_sources_and_reset(fleet: Fleet, prompts: list[list[int]]) -> None:
@@ -103,6 +132,8 @@ def test_events_metrics_hit_sources_and_reset(fleet: Fleet, prompts: list[list[i
         assert event.token_ids == tokens == a[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
         assert event.parent_block_hash == parent
         assert event.block_size == BLOCK_SIZE and event.locality == "REMOTE"
+        assert event.ownership == "kvdi" and event.kv_cache_spec_kind == "full_attention" and event.group_idx == 0
+    assert all(e.ownership is None for e in _gpu_stored(seen))  # vLLM's own events: told apart by a field
     a_hashes = [e.block_hashes[0] for e in stored]
 
     # 2. Loading round: vLLM's own cache reset (not kvdi's), A again loads from kvdi's disk store.
@@ -120,14 +151,22 @@ def test_events_metrics_hit_sources_and_reset(fleet: Fleet, prompts: list[list[i
     seen = fleet.events.wait_for(lambda ev: len(_kvdi_stored(ev)) >= a_blocks + b_blocks)
     removed = [h for e in seen if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE" for h in e.block_hashes]
     assert removed and set(removed) <= set(a_hashes)
+    assert all(e.ownership == "kvdi" for e in seen if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE")
+    metrics = _wait_metrics(fleet, lambda m: series(m, "vllm:kvdi_evicted_blocks_total") >= len(removed))
+    assert series(metrics, "vllm:kvdi_evicted_blocks_total", role="worker") >= len(removed)
+    assert 0 < series(metrics, "vllm:kvdi_store_bytes", store="disk") <= CAP_OBJECTS * FRAME_BYTES
 
-    # 4. reset_cache through vLLM: kvdi's AllBlocksCleared beside vLLM's; B is no longer offered, and is stored anew.
+    # 4. reset_cache through vLLM: vLLM's AllBlocksCleared, and kvdi's BlockRemoved (ownership "kvdi") for every block
+    # it announced and did not announce removed (B's); B is no longer offered, and is stored anew.
     before = len(fleet.events.events())
+    live = _kvdi_live(fleet.events.events())
+    assert live  # B's blocks
     hit_blocks = read_stats(fleet.stats, "scheduler")["lookup_hit_blocks"]
     assert fleet.server.post("/reset_prefix_cache?reset_external=true")["success"] is True
     fleet.complete(b)  # events go out with the next engine step
-    seen = fleet.events.wait_for(lambda ev: sum(type(e).__name__ == "AllBlocksCleared" for e in ev[before:]) >= 2)
+    seen = fleet.events.wait_for(lambda ev: live <= _kvdi_removed(ev[before:]))
     seen = fleet.events.wait_for(lambda ev: len(_kvdi_stored(ev)) >= a_blocks + 2 * b_blocks)
+    assert sum(type(e).__name__ == "AllBlocksCleared" for e in seen[before:]) == 1  # vLLM's; kvdi publishes none
     assert read_stats(fleet.stats, "scheduler")["lookup_hit_blocks"] == hit_blocks
     assert [e.block_hashes[0] for e in _kvdi_stored(seen)[-b_blocks:]] == [
         e.block_hashes[0] for e in _kvdi_stored(seen)[a_blocks : a_blocks + b_blocks]
@@ -135,6 +174,14 @@ def test_events_metrics_hit_sources_and_reset(fleet: Fleet, prompts: list[list[i
 
     # 5. Every kvdi series equals kvdi's own counters for the same run (the stats files).
     _assert_series_match_stats(fleet)
+
+
+def test_every_series_of_the_dashboard_and_alert_rules_is_on_metrics(fleet: Fleet) -> None:
+    """deploy/grafana/kvdi-dashboard.json and deploy/prometheus/kvdi-alerts.yml query only series this real
+    ``vllm serve`` with kvdi exposes on /metrics (vLLM's and kvdi's)."""
+    names = exposed(fleet.server)
+    missing = {name: sorted(where) for name, where in series_used().items() if name not in names}
+    assert not missing, missing
 
 
 def _wait_metrics(fleet: Fleet, ready: Any, timeout: float = 30.0) -> dict[Any, float]:
@@ -209,7 +256,7 @@ def tp2_fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Ite
 def test_tp2_announces_a_block_once_both_ranks_stored_it(tp2_fleet: Fleet, prompts: list[list[int]]) -> None:
     """Under TP=2 each block is announced once (when both ranks' slices landed), with vLLM's hash; evicting
     a slice announces the block removed; kvdi's counters on /metrics are the sum of both ranks' stats files;
-    a connector reset publishes kvdi's AllBlocksCleared beside vLLM's."""
+    a connector reset publishes kvdi's BlockRemoved (ownership "kvdi") beside vLLM's AllBlocksCleared."""
     a, b = prompts[0], prompts[3]
     a_blocks, b_blocks = len(a) // BLOCK_SIZE, len(b) // BLOCK_SIZE
     tp2_fleet.complete(a)
@@ -230,9 +277,15 @@ def test_tp2_announces_a_block_once_both_ranks_stored_it(tp2_fleet: Fleet, promp
     _assert_series_match_stats(tp2_fleet)
 
     before = len(tp2_fleet.events.events())
+    live = _kvdi_live(tp2_fleet.events.events())
     assert tp2_fleet.server.post("/reset_prefix_cache?reset_external=true")["success"] is True
     tp2_fleet.complete(prompts[2])  # events go out with the next engine step
-    tp2_fleet.events.wait_for(lambda ev: sum(type(e).__name__ == "AllBlocksCleared" for e in ev[before:]) >= 2)
+    seen = tp2_fleet.events.wait_for(
+        lambda ev: (
+            live <= _kvdi_removed(ev[before:]) and any(type(e).__name__ == "AllBlocksCleared" for e in ev[before:])
+        )
+    )
+    assert sum(type(e).__name__ == "AllBlocksCleared" for e in seen[before:]) == 1  # vLLM's; kvdi publishes none
 
 
 def test_hit_sources_by_store_and_multi_split_by_tier(tmp_path: Path) -> None:

@@ -83,6 +83,12 @@ class FileBlockStore:
         """:class:`~kvdi.connectors.store.EvictingStore`: ``evicted(key)`` for each object the size cap removes."""
         self._evicted = evicted
 
+    @property
+    def stored_bytes(self) -> int | None:
+        """Bytes in the folder as last measured (a scan at start and at each eviction, plus this process's writes);
+        None without a size cap (nothing is measured then). For ``vllm:kvdi_store_bytes``."""
+        return self._approx_bytes if self.max_bytes else None
+
     def path_for(self, key: bytes) -> Path:
         """Where the object of ``key`` lives."""
         name = key.hex()

@@ -15,7 +15,16 @@ vLLM's own publisher beside vLLM's GPU-block events:
   vLLM fills them;
 - ``BlockRemoved`` when a rank's store evicts the block (cpu_offload's LRU, shared_storage's
   size cap) or drops it as corrupt;
-- ``AllBlocksCleared`` on ``reset_cache`` (``reset_prefix_cache(reset_connector=True)``).
+- on ``reset_cache`` (``reset_prefix_cache(reset_connector=True)``), one ``BlockRemoved`` per
+  medium listing every block kvdi announced and has not announced removed since (kvdi does not
+  publish ``AllBlocksCleared``: a router could not tell it from vLLM's own, which clears the
+  engine's GPU blocks).
+
+Every event kvdi publishes carries ``ownership="kvdi"`` (vLLM's field for "which secondary
+tier generated this", as its own KVCR tier sets ``"kvcr"``), so a router tells kvdi's events
+from vLLM's by a field, not by guessing from ``medium``; ``BlockStored`` also carries
+``group_idx``, ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` of the KV cache
+group, as vLLM's own offloading tier fills them.
 
 ``medium`` is ``CPU`` for host memory and ``STORAGE`` for disks and remote stores;
 ``locality`` is ``LOCAL`` for this engine's own host memory and ``REMOTE`` for shared stores
@@ -33,14 +42,13 @@ vLLM's ``external_unspecified``); for ``multi``, by the tier that holds each blo
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import replace
 from typing import Any
 
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_STORAGE,
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
@@ -68,11 +76,29 @@ from kvdi.connectors.store.keys import block_keys
 from kvdi.connectors.store.protocol import StoreCapabilities, leaf_stores
 from kvdi.integrations.vllm.fleet.counters import FleetCounters
 from kvdi.integrations.vllm.fleet.ledger import BlockFacts, SchedulerLedger, WorkerLedger, drain, sink
+from kvdi.integrations.vllm.fleet.store_metrics import StoreCounters
 from kvdi.integrations.vllm.parallel import RankSlice
 from kvdi.integrations.vllm.requests import RequestTracker
 from kvdi.layout import KVCacheSpec
 
 _TRANSPORT_SIZE = -1  # block_size of worker-to-scheduler events: a kvdi key, not yet an event for routers
+OWNERSHIP = "kvdi"
+"""``ownership`` of every event kvdi publishes (vLLM's field naming the tier that generated an event)."""
+MAX_ANNOUNCED = 1 << 20
+"""Blocks whose announcement a scheduler remembers for ``reset_cache`` (the oldest are forgotten past it)."""
+
+
+def spec_kind(kv_cache_config: Any) -> tuple[str | None, int | None]:
+    """vLLM's ``kv_cache_spec_kind`` and sliding window of KV cache group 0 (the group kvdi's events name)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()  # vLLM's config
+    if not groups:
+        return None, None
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+    except ImportError:  # a vLLM before spec kinds: its events carry none either
+        return None, None
+    spec = groups[0].kv_cache_spec
+    return str(get_kv_cache_spec_kind(spec).value), get_kv_cache_spec_sliding_window(spec)
 
 
 def tier_of(store: object) -> tuple[str, str, str]:
@@ -120,9 +146,17 @@ class SchedulerFleet:
     events for routers, ``reset_cache``, hit sources by tier, and its additions to the Prometheus entry."""
 
     def __init__(
-        self, half: SchedulerConnector, layout: KVCacheSpec, shape: RankSlice, tracker: RequestTracker, events_on: bool
+        self,
+        half: SchedulerConnector,
+        layout: KVCacheSpec,
+        shape: RankSlice,
+        tracker: RequestTracker,
+        events_on: bool,
+        kv_cache_config: Any = None,
     ) -> None:
         self.half, self.layout, self.shape, self.tracker, self.events_on = half, layout, shape, tracker, events_on
+        self.kind = spec_kind(kv_cache_config)
+        self._announced: OrderedDict[Any, tuple[str, str | None]] = OrderedDict()  # hash -> (medium, locality)
         self.counters = FleetCounters("scheduler", f"{shape.tp_rank}-{shape.pp_rank}", half)
         self._out: list[KVCacheEvent] = []
         self._resets = 0
@@ -201,12 +235,21 @@ class SchedulerFleet:
             if isinstance(event, BlockStored):
                 facts = self._ledger.landed(key, str(event.medium), event.locality)
                 if facts is not None:
-                    self._out.append(_stored(facts, event, self.layout.block_size))
+                    stored = _stored(facts, event, self.layout.block_size, self.kind)
+                    self._announce(stored.block_hashes[0], str(event.medium), event.locality)
+                    self._out.append(stored)
             elif isinstance(event, BlockRemoved):
                 block_hash = self._ledger.removed(key, str(event.medium))
                 if block_hash is not None:
                     ext = maybe_convert_block_hash(BlockHash(block_hash))
-                    self._out.append(BlockRemoved([ext], event.medium, 0, event.locality))
+                    self._announced.pop(ext, None)
+                    self._out.append(BlockRemoved([ext], event.medium, 0, event.locality, ownership=OWNERSHIP))
+
+    def _announce(self, block_hash: Any, medium: str, locality: str | None) -> None:
+        self._announced[block_hash] = (medium, locality)
+        self._announced.move_to_end(block_hash)
+        if len(self._announced) > MAX_ANNOUNCED:
+            self._announced.popitem(last=False)
 
     def take_events(self) -> list[KVCacheEvent]:
         """vLLM's hook: kvdi's events since the last call (published with vLLM's own)."""
@@ -218,8 +261,12 @@ class SchedulerFleet:
         self._resets += 1
         self._salted.clear()
         self._ledger.clear()
-        if self.events_on:
-            self._out.append(AllBlocksCleared())
+        by_medium: dict[tuple[str, str | None], list[Any]] = {}
+        for block_hash, where in self._announced.items():
+            by_medium.setdefault(where, []).append(block_hash)
+        self._announced.clear()
+        for (medium, locality), hashes in by_medium.items():
+            self._out.append(BlockRemoved(hashes, medium, 0, locality, ownership=OWNERSHIP))
         return True
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -257,21 +304,21 @@ class WorkerFleet:
 
     def __init__(self, half: WorkerConnector, shape: RankSlice, events_on: bool) -> None:
         self.events_on = events_on
-        self.counters = FleetCounters("worker", f"{shape.tp_rank}-{shape.pp_rank}", half)
+        store = half.store if isinstance(half, StoreHalf) else None
+        leaves = leaf_stores(store) if store is not None else []
+        self.counters = StoreCounters("worker", f"{shape.tp_rank}-{shape.pp_rank}", half, leaves)
         self._ledger = WorkerLedger([r.key for r in shape.ranks()] if shape.sliced else ())
         self._tiers: list[tuple[deque[bytes] | None, str, str]] = []  # (evicted keys, medium, locality) per leaf
         self._block_events: deque[tuple[bool, bytes]] = deque(maxlen=1 << 20)
-        store = half.store if isinstance(half, StoreHalf) else None
-        if not events_on or store is None:
-            return
-        if isinstance(half, BlockEventSource):
+        if events_on and isinstance(half, BlockEventSource):
             half.watch_blocks(lambda landed, key: self._block_events.append((landed, key)))
-        for leaf in leaf_stores(store):
+        for leaf in leaves:  # evictions are counted always, queued for events when they are on
             watch = StoreCapabilities.of(leaf).watch_evictions
-            evicted = sink() if watch is not None else None
-            if watch is not None and evicted is not None:
-                watch(evicted.append)
-            self._tiers.append((evicted, *tier_of(leaf)[1:]))
+            evicted = sink() if watch is not None and events_on else None
+            if watch is not None:
+                watch(self.counters.evictions(evicted))
+            if events_on:
+                self._tiers.append((evicted, *tier_of(leaf)[1:]))
 
     def saw(self, inner: object) -> None:
         """This step's metadata, before the adapter re-keys it per rank."""
@@ -305,7 +352,7 @@ def _transport_stored(key: bytes, medium: str, locality: str) -> BlockStored:
     return BlockStored([key], None, [], _TRANSPORT_SIZE, None, medium, None, locality=locality)
 
 
-def _stored(facts: BlockFacts, event: BlockStored, block_size: int) -> BlockStored:
+def _stored(facts: BlockFacts, event: BlockStored, block_size: int, kind: tuple[str | None, int | None]) -> BlockStored:
     return BlockStored(
         block_hashes=[maybe_convert_block_hash(BlockHash(facts.block_hash))],
         parent_block_hash=None if facts.parent_hash is None else maybe_convert_block_hash(BlockHash(facts.parent_hash)),
@@ -316,8 +363,11 @@ def _stored(facts: BlockFacts, event: BlockStored, block_size: int) -> BlockStor
         lora_name=facts.lora_name,
         extra_keys=facts.extra_keys,
         group_idx=0,
+        kv_cache_spec_kind=kind[0],
+        kv_cache_spec_sliding_window=kind[1],
         locality=event.locality,
+        ownership=OWNERSHIP,
     )
 
 
-__all__ = ["KvdiKVEvents", "SchedulerFleet", "WorkerFleet", "events_enabled", "tier_of"]
+__all__ = ["OWNERSHIP", "KvdiKVEvents", "SchedulerFleet", "WorkerFleet", "events_enabled", "spec_kind", "tier_of"]

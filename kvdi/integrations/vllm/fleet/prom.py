@@ -5,8 +5,10 @@ vLLM builds :class:`KvdiPromMetrics` once per API server through
 step's stats, summed across worker ranks and the scheduler (:class:`FleetConnectorStats`).
 Series follow vLLM's conventions (``vllm:`` prefix, counters exposed with ``_total``, vLLM's
 ``model_name`` and ``engine`` labels first) and add ``connector`` (the registered name) and
-``role`` (``scheduler`` or ``worker``, the half that counted). See :data:`COUNTERS`,
-:data:`HISTOGRAMS`, :data:`GAUGES` for the list.
+``role`` (``scheduler`` or ``worker``, the half that counted). Names put the unit last
+(``_bytes``, ``_seconds``, ``_blocks``). Every counter, histogram and unlabelled gauge has a
+sample at 0 for both roles from the moment the server starts, so ``rate()`` and alerts work
+before anything moved. See :data:`COUNTERS`, :data:`HISTOGRAMS`, :data:`GAUGES` for the list.
 """
 
 from __future__ import annotations
@@ -36,13 +38,17 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "load_failures": ("vllm:kvdi_load_failures", "Lookups or loads the store failed (treated as misses)."),
     "save_failures": ("vllm:kvdi_save_failures", "Blocks the store failed to write."),
     "async_load_requests": ("vllm:kvdi_async_load_requests", "Requests that waited for an asynchronous load."),
+    "evicted_blocks": (
+        "vllm:kvdi_evicted_blocks",
+        "Objects kvdi's stores evicted (LRU or size cap; one per rank slice).",
+    ),
 }
 HISTOGRAMS: dict[str, tuple[str, str]] = {
     "load_seconds": ("vllm:kvdi_load_seconds", "Seconds kvdi spent loading in one engine step (steps that loaded)."),
     "save_seconds": ("vllm:kvdi_save_seconds", "Seconds kvdi spent saving or queueing saves in one engine step."),
 }
 GAUGES: dict[str, tuple[str, str, list[str]]] = {
-    "inflight_bytes": ("vllm:kvdi_bytes_in_flight", "Bytes of queued asynchronous saves, all ranks.", []),
+    "inflight_bytes": ("vllm:kvdi_in_flight_bytes", "Bytes of queued asynchronous saves, all ranks.", []),
     "prefetch_staged_bytes": (
         "vllm:kvdi_prefetch_staged_bytes",
         "Host staging held by prefetches at lookup (transfer.async_load=prefetch).",
@@ -53,7 +59,15 @@ GAUGES: dict[str, tuple[str, str, list[str]]] = {
         "Ranks whose circuit breaker for this Redis node is open.",
         ["node"],
     ),
+    "store_bytes": (
+        "vllm:kvdi_store_bytes",
+        "Bytes kvdi's store holds, by kind (host, disk), as its largest rank last measured it.",
+        ["store"],
+    ),
 }
+MAX_GAUGES = frozenset({"store_bytes"})
+"""Gauges whose ranks may share one store: the observer takes the largest rank's value, not the sum."""
+ROLES = ("scheduler", "worker")
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -103,6 +117,14 @@ class KvdiPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,unused-ignor
         }
         self._ranks: dict[tuple[int, str, str, str, str], float] = {}  # (engine, role, gauge, label, rank) -> value
         self._connector = _connector_name(vllm_config)
+        for labelvalues in per_engine_labelvalues.values():  # every series at 0 from the start: rate() works at once
+            for role in ROLES:
+                base = [*labelvalues, self._connector, role]
+                for series in (*self.counters.values(), *self.histograms.values()):
+                    series.labels(*base)
+                for key, (_name, _doc, more) in GAUGES.items():
+                    if not more:
+                        self.gauges[key].labels(*base)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         entry = transfer_stats_data.get(PROM_KEY)
@@ -123,9 +145,10 @@ class KvdiPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,unused-ignor
                     self._ranks[(engine_idx, role, gauge, label, rank)] = float(value)
                     touched.add((role, gauge, label))
         for role, gauge, label in touched:
-            total = sum(
+            values = [
                 v for (e, r, g, lab, _), v in self._ranks.items() if (e, r, g, lab) == (engine_idx, role, gauge, label)
-            )
+            ]
+            total = max(values) if gauge in MAX_GAUGES else sum(values)
             labels = [*base, role, *([label] if GAUGES[gauge][2] else [])]
             self.gauges[gauge].labels(*labels).set(total)
 
@@ -166,6 +189,8 @@ __all__ = [
     "COUNTERS",
     "GAUGES",
     "HISTOGRAMS",
+    "MAX_GAUGES",
+    "ROLES",
     "FleetConnectorStats",
     "KvdiPromMetrics",
     "build_prom_metrics",
