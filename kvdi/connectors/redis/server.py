@@ -154,8 +154,7 @@ class RedisNode:
             )
         except CutReplies as cut:  # the server answered, but past what a frame can be: never read on
             self.cut_replies += 1
-            log_once(logger, self._logged, "cut", "redis at %s: %s: reply cut, connection dropped (logged once)",
-                     self.label, cut.why)  # fmt: skip
+            log_once(logger, self._logged, "cut", "redis at %s: %s: reply cut, connection dropped", self.label, cut.why)
             self._drop(exchange)
             exchange.result = cut.replies
             return

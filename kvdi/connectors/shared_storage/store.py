@@ -95,7 +95,9 @@ class FileBlockStore:
         return self.root / name[:2] / name
 
     def _log_once(self, what: str, message: str, *args: object) -> None:
-        log_once(logger, self._logged, what, "shared_storage %s: " + message + " (logged once)", self.root, *args)
+        log_once(
+            logger, self._logged, what, "shared_storage %s: " + message + " (at most once a minute)", self.root, *args
+        )
 
     # -- reads ---------------------------------------------------------------------------------
 

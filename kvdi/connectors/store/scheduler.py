@@ -24,6 +24,7 @@ from kvdi.connectors.base import (
     SchedulerOutput,
     loadable_tokens,
 )
+from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.keys import block_keys
 from kvdi.connectors.store.load_policy import ASYNC_LOAD_MIN_BYTES, AUTO_PREFETCH_LOOKUP_S, LoadPolicy
@@ -57,6 +58,7 @@ class StoreSchedulerConnector(SchedulerConnector):
         self._async_loads: dict[str, BlockTransfer] = {}
         self.load_policy = LoadPolicy(self._transfer, self.store, self._block_bytes)  # sync, background, prefetch
         self.prefetch: PrefetchPlanner | None = None  # set by a host that relays the worker's reports
+        self._logged: set[str] = set()  # lookup failures: a warning per reason a minute (log_once)
 
     def enable_prefetch(self, unavailable: str | None = None) -> bool:
         """Called once by a host that relays :meth:`prefetched` reports (the vLLM adapter), with why prefetch cannot
@@ -126,7 +128,8 @@ class StoreSchedulerConnector(SchedulerConnector):
             plan.stored = self.store.count_prefix(plan.keys[first:]) if first < len(plan.keys) else 0
         except Exception as exc:  # anything a store raises is a miss
             self.stats.load_failures += 1
-            logger.warning("kv connector %r: store lookup failed, treating as a miss: %r", self.name, exc)
+            log_once(logger, self._logged, f"lookup:{type(exc).__name__}",
+                     "kv connector %r: store lookup failed, treating as a miss: %r", self.name, exc)  # fmt: skip
             plan.stored = 0
         if isinstance(plan.stored, bool) or not isinstance(plan.stored, int) or plan.stored < 0:
             logger.warning("kv connector %r: count_prefix returned %r, treating as a miss", self.name, plan.stored)

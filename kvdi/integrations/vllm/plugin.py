@@ -10,6 +10,10 @@ connector is built) and idempotent: vLLM may load plugins several times per proc
 Setting ``VLLM_PLUGINS`` to a list without ``kvdi`` turns the plugin off. When another plugin
 registered the name ``KvdiConnector`` first, kvdi leaves it (vLLM refuses a second
 registration) and logs one warning line naming what holds the name and how to reach kvdi's.
+
+It also hands kvdi's loggers (``kvdi.*``) to vLLM's log handler (:func:`route_logs_to_vllm`), so
+kvdi's warnings (a store down, a failed save) read like vLLM's lines: process, pid, level,
+timestamp, file and line.
 """
 
 from __future__ import annotations
@@ -24,10 +28,42 @@ CONNECTOR_MODULE = "kvdi.integrations.vllm.connector"
 logger = logging.getLogger(__name__)
 
 
+class ToVllmHandlers(logging.Handler):
+    """Hands each record to the ``vllm`` logger's handlers as they are when it is emitted (vLLM configures them
+    after plugins load, and may configure them again), so kvdi's lines come out in vLLM's format."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        handlers = logging.getLogger("vllm").handlers
+        if not handlers and not logging.getLogger().handlers:  # nobody configured logging: Python's last resort
+            handlers = [logging.lastResort] if logging.lastResort is not None else []
+        for handler in handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def route_logs_to_vllm() -> bool:
+    """Send the ``kvdi`` logger's records through vLLM's handlers (:class:`ToVllmHandlers`) at vLLM's level.
+
+    vLLM's format: process name, pid, level, timestamp, file:line, message. Records still propagate
+    to the root logger (where an application or pytest may listen). Idempotent; returns whether it
+    added the handler.
+    """
+    import vllm.envs as envs
+
+    kvdi = logging.getLogger("kvdi")
+    if any(isinstance(h, ToVllmHandlers) for h in kvdi.handlers):
+        return False
+    kvdi.addHandler(ToVllmHandlers())
+    kvdi.setLevel(str(envs.VLLM_LOGGING_LEVEL).upper())
+    return True
+
+
 def register() -> None:
     """Register ``KvdiConnector`` with vLLM's ``KVConnectorFactory`` unless a connector of that name exists
-    (someone else's: one warning line naming it)."""
+    (someone else's: one warning line naming it); route kvdi's logs to vLLM's handler."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    route_logs_to_vllm()
 
     if is_registered():
         holder = registered_as(getattr(KVConnectorFactory, "_registry", {}).get(CONNECTOR_NAME))
@@ -62,4 +98,12 @@ def is_registered() -> bool:
     return CONNECTOR_NAME in getattr(KVConnectorFactory, "_registry", {})
 
 
-__all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "is_registered", "register", "registered_as"]
+__all__ = [
+    "CONNECTOR_MODULE",
+    "CONNECTOR_NAME",
+    "is_registered",
+    "register",
+    "registered_as",
+    "route_logs_to_vllm",
+    "ToVllmHandlers",
+]
