@@ -102,3 +102,36 @@ def test_close_empties_the_pool() -> None:
     Engine(store, LAYOUT, make_settings(), seed=1).prefill(PROMPT, (1, 2, 3, 4, 5))
     store.close()
     assert store.count_prefix(KEYS) == 0
+
+
+def test_fill_many_publishes_what_fill_wrote_and_drops_what_it_refused() -> None:
+    """fill_many lends a slot per key; the object is what fill wrote there, and a key whose fill returned
+    False (or whose size outgrows a slot) is not stored and its slot is free again."""
+    store = pool(2)
+
+    def fill(i: int, space: memoryview) -> bool:
+        space[:] = bytes([i + 1]) * space.nbytes
+        return i != 1
+
+    assert store.fill_many([(b"a" * 16, 10), (b"b" * 16, 10), (b"c" * 16, FRAME + 1)], fill) == 1
+    assert store.get_many([b"a" * 16, b"b" * 16, b"c" * 16]) == [b"\x01" * 10, None, None]
+    assert store.fill_many([(b"d" * 16, 10)], fill) == 1  # the refused key's slot was given back
+    assert len(store) == 2
+
+
+def test_a_save_through_fill_many_loads_back_byte_for_byte_and_a_flipped_byte_is_a_counted_miss() -> None:
+    """The worker writes frames straight into the pool's slots (fill_many) and loads them through
+    visit_many, hashing and copying each span in one pass; a corrupt payload byte is caught there."""
+    store = pool(8)
+    producer = Engine(store, LAYOUT, make_settings(), seed=7)
+    producer.prefill(PROMPT, (1, 2, 3, 4, 5))
+    assert producer.worker.stats.saved_blocks == 4
+    consumer = Engine(store, LAYOUT, make_settings())
+    assert consumer.prefill(PROMPT, (9, 10, 11, 12, 13)) == (16, set())
+    assert torch.equal(torch.stack(producer.block(2)), torch.stack(consumer.block(10)))
+    slot, _size = store._lru[KEYS[1]]
+    store._slots()[slot, HEADER_SIZE + 5] ^= 0xFF
+    third = Engine(store, LAYOUT, make_settings())
+    loaded, failed = third.prefill(PROMPT, (6, 7, 8, 14, 15))
+    assert loaded == 16 and failed == {7, 8, 14}  # blocks from the bad one on are recomputed
+    assert third.worker.stats.corrupt_dropped == 1
