@@ -145,30 +145,6 @@ class HostPoolStore:
             self._touch([k for k, _ in items])
         return stored
 
-    def fill_many(self, items: Sequence[tuple[bytes, int]], fill: Callable[[int, memoryview], bool]) -> int:
-        """Lend a slot to ``fill`` for each ``(key, size)`` under the lock (see ``FillStore``): the worker half
-        writes the frame straight into it, each byte copied once; returns how many were stored."""
-        stored = 0
-        with self._lock:
-            for i, (key, size) in enumerate(items):
-                if size > self.slot_bytes:
-                    continue
-                try:
-                    pool = self._slots()
-                except _BACKEND_ERRORS as exc:
-                    log_once(logger, self._logged, type(exc).__name__,
-                             "cpu_offload: storing an object failed: %r (logged once)", exc)  # fmt: skip
-                    break
-                entry = self._lru.pop(key, None)
-                slot = entry[0] if entry is not None else self._take_slot()
-                if fill(i, pool[slot, :size].data):
-                    self._lru[key] = (slot, size)
-                    stored += 1
-                else:
-                    self._free.append(slot)
-            self._touch([k for k, _ in items])
-        return stored
-
     def _put(self, key: bytes, pieces: Sequence[Buffer]) -> int:
         views = [p if isinstance(p, memoryview) and p.format == "B" else memoryview(p).cast("B") for p in pieces]
         size = sum(map(len, views))  # 1-D byte views: len is nbytes

@@ -104,24 +104,9 @@ def test_close_empties_the_pool() -> None:
     assert store.count_prefix(KEYS) == 0
 
 
-def test_fill_many_publishes_what_fill_wrote_and_drops_what_it_refused() -> None:
-    """fill_many lends a slot per key; the object is what fill wrote there, and a key whose fill returned
-    False (or whose size outgrows a slot) is not stored and its slot is free again."""
-    store = pool(2)
-
-    def fill(i: int, space: memoryview) -> bool:
-        space[:] = bytes([i + 1]) * space.nbytes
-        return i != 1
-
-    assert store.fill_many([(b"a" * 16, 10), (b"b" * 16, 10), (b"c" * 16, FRAME + 1)], fill) == 1
-    assert store.get_many([b"a" * 16, b"b" * 16, b"c" * 16]) == [b"\x01" * 10, None, None]
-    assert store.fill_many([(b"d" * 16, 10)], fill) == 1  # the refused key's slot was given back
-    assert len(store) == 2
-
-
-def test_a_save_through_fill_many_loads_back_byte_for_byte_and_a_flipped_byte_is_a_counted_miss() -> None:
-    """The worker writes frames straight into the pool's slots (fill_many) and loads them through
-    visit_many, hashing and copying each span in one pass; a corrupt payload byte is caught there."""
+def test_a_load_through_visit_many_is_byte_for_byte_and_a_flipped_payload_byte_is_a_counted_miss() -> None:
+    """Loads verify and copy each frame where it lies in the pool (visit_many, one pass: each span hashed, then
+    copied while in the CPU cache); a flipped payload byte is caught there and the blocks from it on recompute."""
     store = pool(8)
     producer = Engine(store, LAYOUT, make_settings(), seed=7)
     producer.prefill(PROMPT, (1, 2, 3, 4, 5))

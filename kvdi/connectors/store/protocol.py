@@ -19,8 +19,6 @@ capability                  what it is for                                      
 ``visit_many(keys, visit)``  lend each object's bytes to ``visit`` (no copy): the worker  get_into_many
                             verifies and copies them while they are in the CPU cache
                             (:class:`ViewStore`)
-``fill_many(items, fill)``  lend writable space for new objects (memory stores): the     put_many
-                            worker writes each frame there, one copy (:class:`FillStore`)
 ``prefetch(keys) -> bool``  start reading objects ahead of the loads (several objects   none
                             in flight on a cold medium); True while that pays
                             (:class:`PrefetchStore`)
@@ -125,19 +123,6 @@ class ViewStore(Protocol):
 
 
 @runtime_checkable
-class FillStore(Protocol):
-    """Optional capability: lend writable space for new objects (memory stores), so that a save writes them once."""
-
-    def fill_many(self, items: Sequence[tuple[bytes, int]], fill: Callable[[int, memoryview], bool]) -> int:
-        """For each ``(key, size)``: call ``fill(i, space)`` with ``size`` writable bytes (under the store's lock)
-        and publish them as ``key``'s object when it returns True; returns how many were stored (as ``put_many``).
-
-        ``fill`` writes a whole frame and never raises; an object the store cannot hold is skipped.
-        """
-        ...
-
-
-@runtime_checkable
 class PrefetchStore(Protocol):
     """Optional capability: read objects ahead, so that a cold medium has several reads in flight."""
 
@@ -201,7 +186,6 @@ class HealthStore(Protocol):
 OPTIONAL_CAPABILITIES: tuple[type, ...] = (
     ReadIntoStore,
     ViewStore,
-    FillStore,
     PrefetchStore,
     AsyncLoadStore,
     SlottedStore,
@@ -225,7 +209,6 @@ class StoreCapabilities:
     check: Callable[[], str] | None
     prefetch: Callable[[Sequence[bytes]], bool] | None = None
     visit: bool = False
-    fill: bool = False
     hit_source: str = REMOTE_HIT_SOURCE
     watch_evictions: Callable[[Callable[[bytes], None]], None] | None = None
     parts: tuple[BlockStore, ...] = ()
@@ -242,7 +225,6 @@ class StoreCapabilities:
             check=store.check if isinstance(store, CheckedStore) else None,
             prefetch=store.prefetch if isinstance(store, PrefetchStore) else None,
             visit=isinstance(store, ViewStore),
-            fill=isinstance(store, FillStore),
             hit_source=str(store.hit_source) if isinstance(store, DeclaresHitSource) else REMOTE_HIT_SOURCE,
             watch_evictions=store.watch_evictions if isinstance(store, EvictingStore) else None,
             parts=tuple(p for p in store.parts() if id(p) != id(store)) if isinstance(store, CompositeStore) else (),
@@ -302,7 +284,6 @@ __all__ = [
     "CheckedStore",
     "CompositeStore",
     "EvictingStore",
-    "FillStore",
     "HealthStore",
     "PrefetchStore",
     "ReadIntoStore",

@@ -76,8 +76,7 @@ class StoreWorkerConnector(WorkerConnector):
         self._fetcher: ThreadPoolExecutor | None = None
         self._cpus: int | None = None
         self._queue = TransferQueue(self.name, transfer.max_inflight_bytes, load_threads=transfer.load_threads)
-        writer = (self.store, self.capabilities, self._fingerprint, self._block_bytes, self._key, self._log_once)
-        self._writer = BlockWriter(*writer)  # frames saves and makes the store call (:mod:`.writes`)
+        self._writer = BlockWriter(self.store, self._fingerprint, self._key)  # frames saves (:mod:`.writes`)
         self.staging = HostStaging.of(self.store, transfer, self._frame_bytes, self.name)  # :mod:`.prefetch`
         self.prefetching = WorkerPrefetch(self.store, self.capabilities, self.staging, self.stats)
         self._async_save = transfer.async_save
