@@ -280,3 +280,17 @@ def test_an_async_saves_copy_out_runs_in_the_job_after_the_forward_and_the_engin
     assert count_copies(job) == STEP_LAYOUT.num_layers + 2 and count_host_waits(job) == 1
     waited = {e[1] for e in job if e[0] == "host_wait"}
     assert waited <= steps.blocking
+
+
+def test_staged_copies_of_layer_pieces_that_are_not_whole_words_move_every_byte() -> None:
+    """Gathers and scatters move 8-byte words where a layer's block is a multiple of 8 bytes; a 4-byte one
+    goes byte-wise, and a save then a load into another block still moves exactly its bytes."""
+    caches = [torch.arange(BLOCKS, dtype=torch.float32).view(BLOCKS, 1) + 100 * layer for layer in range(LAYERS)]
+    io = CacheIO(caches, 4, chunk=4, staging=True, order=StreamOrder("cuda:0", RecordingCuda()))
+    (pieces,) = io.save_pieces([3])
+    (row,) = io.load_pieces(0, 6)
+    row.cast("B")[:] = b"".join(bytes(p) for p in pieces)
+    io.commit_load(0, 6)
+    io.finish()
+    assert [float(c[6, 0]) for c in caches] == [3.0 + 100 * layer for layer in range(LAYERS)]
+    assert [float(c[5, 0]) for c in caches] == [5.0 + 100 * layer for layer in range(LAYERS)]

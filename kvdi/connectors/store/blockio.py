@@ -139,6 +139,11 @@ class CacheIO:
         self._scratch = buffers(chunk * self._row_bytes, device=first.device, owner=f"{name}/scratch")
         self._scratch = self._scratch.view(chunk, self._row_bytes)
         self._index_dev = buffers(chunk * 8, device=first.device, owner=f"{name}/index-dev").view(torch.int64)
+        # The gathers and scatters move 8-byte words where the layout allows (a byte-wise index kernel is slower).
+        word = torch.int64 if layer_bytes % 8 == 0 else torch.uint8
+        self._words = [u.view(word) for u in self._u8]
+        self._scratch_words = self._scratch.view(word)
+        self._layer_words = self._words[0].shape[1]
 
     # -- the ring -------------------------------------------------------------------------------
 
@@ -206,12 +211,12 @@ class CacheIO:
 
     def _copy_in(self) -> None:
         ids, self._committed = self._committed, []
-        n, lb = len(ids), self.layer_bytes
+        n, lw = len(ids), self._layer_words
         index = self._upload(ids)
-        scratch = self._scratch[:n]
-        self._copy(scratch, self._rows[self._slot][:n])
-        for l, u in enumerate(self._u8):  # noqa: E741
-            self._scatter(u, index, scratch[:, l * lb : (l + 1) * lb])
+        self._copy(self._scratch[:n], self._rows[self._slot][:n])
+        scratch = self._scratch_words[:n]
+        for l, u in enumerate(self._words):  # noqa: E741
+            self._scatter(u, index, scratch[:, l * lw : (l + 1) * lw])
         self._mark(self._slot)
 
     # -- saves ----------------------------------------------------------------------------------
@@ -228,12 +233,12 @@ class CacheIO:
         if len(ids) > self.chunk:
             raise ValueError(f"{len(ids)} blocks do not fit a staging chunk of {self.chunk}")
         self.begin()
-        n, lb = len(ids), self.layer_bytes
+        n, lw = len(ids), self._layer_words
         index = self._upload(ids)
-        scratch = self._scratch[:n]
-        for l, u in enumerate(self._u8):  # noqa: E741
-            self._gather(scratch[:, l * lb : (l + 1) * lb], u, index)
-        self._copy(self._rows[self._slot][:n], scratch)
+        scratch = self._scratch_words[:n]
+        for l, u in enumerate(self._words):  # noqa: E741
+            self._gather(scratch[:, l * lw : (l + 1) * lw], u, index)
+        self._copy(self._rows[self._slot][:n], self._scratch[:n])
         self._mark(self._slot)
         return SaveTicket(self._slot, ids)
 
