@@ -115,7 +115,8 @@ class CacheIO:
             self._u8.append(t.view(torch.uint8).view(self.num_blocks, layer_bytes))
         self.direct = first.device.type == "cpu" if staging is None else not staging
         self.order = order if order is not None else order_for(first.device)
-        self.chunk = chunk = chunk if self.direct or device_chunk is None else device_chunk
+        self.chunk = chunk if self.direct or device_chunk is None else min(device_chunk, self.num_blocks)
+        chunk = self.chunk  # staged: never more blocks than the cache holds
         # Flat byte views of each layer: a block's piece is a slice (cheaper than indexing an array per call).
         self._flat = [u.numpy().reshape(-1).data.cast("B") for u in self._u8] if self.direct else []
         self._row_bytes = layer_bytes * len(caches)
