@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,10 +209,14 @@ class Steps:
     blocking: set[str]  # the blocking-sync events (a host wait on them sleeps)
 
 
-def run_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocks: int, async_save: bool = False) -> Steps:
+def run_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocks: int, async_save: bool = False, chunk: int | None = None
+) -> Steps:
     """The real store worker over shared_storage files, its CPU cache staged like a device cache: a step
-    saving ``blocks`` blocks, then a step loading them into other blocks."""
+    saving ``blocks`` blocks, then a step loading them into other blocks (``chunk`` blocks per staged chunk;
+    None: the default 32 MiB). Each store read is logged as ``("read",)`` among the CUDA calls."""
     import kvdi.connectors.store.blockio as blockio
+    import kvdi.connectors.store.worker as worker_module
     from kvdi.connectors.base import BlockTransfer, ConnectorContext, KVConnectorRole
     from kvdi.connectors.shared_storage import FileBlockStore
     from kvdi.connectors.store import StoreWorkerConnector
@@ -221,9 +226,17 @@ def run_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocks: int, asyn
     cuda = RecordingCuda()
     monkeypatch.setattr(blockio, "order_for", lambda device: StreamOrder("cuda:0", cuda))
     monkeypatch.setattr(blockio, "CacheIOs", functools.partial(blockio.CacheIOs, staging=True))
+    if chunk is not None:
+        monkeypatch.setattr(worker_module, "DEVICE_CHUNK_BYTES", chunk * STEP_LAYOUT.block_bytes)
+
+    class LoggedReads(FileBlockStore):
+        def get_into_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[int | None]:
+            cuda.log.append(("read",))
+            return super().get_into_many(items)
+
     settings = load_settings(kv_role="kv_both", transfer={"async_save": async_save})
     context = ConnectorContext(
-        "shared_storage", KVConnectorRole.WORKER, settings, STEP_LAYOUT, None, FileBlockStore(tmp_path)
+        "shared_storage", KVConnectorRole.WORKER, settings, STEP_LAYOUT, None, LoggedReads(tmp_path)
     )
     worker = StoreWorkerConnector(context)
     caches = {n: torch.randn((2 * blocks, *STEP_LAYOUT.block_shape)) for n in STEP_LAYOUT.layer_names}
@@ -294,3 +307,16 @@ def test_staged_copies_of_layer_pieces_that_are_not_whole_words_move_every_byte(
     io.finish()
     assert [float(c[6, 0]) for c in caches] == [3.0 + 100 * layer for layer in range(LAYERS)]
     assert [float(c[5, 0]) for c in caches] == [5.0 + 100 * layer for layer in range(LAYERS)]
+
+
+def test_a_load_of_several_chunks_reads_the_next_chunk_while_the_previous_ones_copies_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six blocks in chunks of two: each chunk's copies are queued without a host wait, the next chunk is read
+    into the other staging slot meanwhile, and the host waits only before reusing a slot (chunk 3 reuses
+    chunk 1's) and once at the end: R(ead), C(opy calls), E(vent recorded), W(ait)."""
+    steps = run_steps(tmp_path, monkeypatch, 6, chunk=2)
+    assert steps.same_bytes
+    code = {"read": "R", "record": "E", "host_wait": "W", **dict.fromkeys(COPY_KINDS, "C")}
+    chunk = "R" + "C" * (STEP_LAYOUT.num_layers + 2) + "E"
+    assert "".join(code[str(e[0])] for e in steps.load) == chunk + chunk + "W" + chunk + "W"
