@@ -16,7 +16,9 @@
 #        5 minutes), each test within $KVDI_GPU_TEST_TIMEOUT_S (default 90; tests/test_cuda.py fails a
 #        test that runs longer), then .ci/gpu_skips.py reads the junit report: it fails on any skip
 #        except the NCCL tests on a machine with one GPU, prints what was not tested and the figures
-#        the tests recorded (the GB/s line against raw pinned copies, never gating).
+#        the tests recorded, never gating: the device rows, GB/s against one raw pinned copy_ each way of
+#        CacheIO's batched chunk copies and of a 1 GiB cpu_offload save and load through the store worker
+#        (test_cpu_offload_moves_a_gib_against_raw_pinned_copies_a_gbps_line; target 0.8x).
 #   .ci/gpu-check.sh --dry-run     on any machine (no GPU needed): steps 1-2 with .venv's Python, the
 #                                  same pytest run and the same verdict; without a GPU every CUDA test
 #                                  is skipped, so the verdict must be FAILED (exit 1): the accounting works.

@@ -23,7 +23,8 @@ header, xxh3 checksum on save, every frame verified on load. Baselines move the 
 kvdi moves bytes on one thread, so targeted baselines run torch on one thread too (like for
 like: the ratio then measures kvdi's overhead, not thread counts); rows without a target repeat
 them with torch's default thread count. Every comparison is the median of its runs, kvdi and
-its baseline alternated (ABAB, then BABA) so that load from other processes hits both alike.
+its baseline alternated (ABAB, then BABA) so that load from other processes hits both alike; the note
+gives the spread of the ratio round by round (its lowest and highest).
 """
 
 from __future__ import annotations
@@ -61,8 +62,21 @@ def _step(worker: WorkerConnector, meta: BlockTransferMetadata) -> None:
         raise RuntimeError(f"bench: {len(failed)} blocks failed to load")
 
 
+class Rounds(list[float]):
+    """The wall times of one timed function, one per round (in round order); ``median`` is what is reported."""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self)
+
+
 def _median_seconds(fns: list[Timed], repeats: int) -> list[float]:
-    """Median wall time of each ``fn`` (or ``(prepare, fn)``, prepare untimed), alternated so drift hits all alike.
+    """Median wall time of each ``fn`` (or ``(prepare, fn)``, prepare untimed), alternated so drift hits all alike."""
+    return [r.median for r in _rounds(fns, repeats)]
+
+
+def _rounds(fns: list[Timed], repeats: int) -> list[Rounds]:
+    """Wall time of each ``fn`` (or ``(prepare, fn)``, prepare untimed) in each round.
 
     One warm-up run each; then rounds in order and in reverse order by turns (ABAB, BABA).
     """
@@ -70,7 +84,7 @@ def _median_seconds(fns: list[Timed], repeats: int) -> list[float]:
     for prepare, fn in pairs:
         prepare()
         fn()  # warm-up: page cache, allocations, first-touch faults
-    times: list[list[float]] = [[] for _ in pairs]
+    times = [Rounds() for _ in pairs]
     for r in range(repeats):
         order = list(enumerate(pairs))
         for i, (prepare, fn) in order if r % 2 == 0 else reversed(order):
@@ -78,7 +92,7 @@ def _median_seconds(fns: list[Timed], repeats: int) -> list[float]:
             start = time.perf_counter()
             fn()
             times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 _best_seconds = _median_seconds  # the name kvdi.bench.integrity and older scripts use
@@ -180,9 +194,12 @@ class _Setup:
 
 
 def _result(
-    metric: str, nbytes: int, kvdi_s: float, base_s: float, base: str, target: float | None, note: str
+    metric: str, nbytes: int, kvdi_s: Rounds, base_s: Rounds, base: str, target: float | None, note: str
 ) -> BenchResult:
-    kvdi, baseline = nbytes / kvdi_s / 1e9, nbytes / base_s / 1e9
+    """GB/s of the medians, their ratio, and in the note the spread of the ratio round by round (min-max)."""
+    kvdi, baseline = nbytes / kvdi_s.median / 1e9, nbytes / base_s.median / 1e9
+    per_round = [b / k for k, b in zip(kvdi_s, base_s, strict=True)]
+    note = f"{note}; ratio per round {min(per_round):.2f}-{max(per_round):.2f}"
     return BenchResult("storage", metric, "GB/s", round(kvdi, 3), round(baseline, 3), base, round(kvdi / baseline, 3),
                        target, note)  # fmt: skip
 
@@ -212,7 +229,7 @@ def bench_cpu_offload(num_blocks: int, repeats: int, tmp: Path) -> list[BenchRes
             _on_threads(1, raw_load),
             _on_threads(threads, raw_load),
         ]
-        save, base_save, all_save, load, base_load, all_load = _median_seconds(fns, repeats)
+        save, base_save, all_save, load, base_load, all_load = _rounds(fns, repeats)
         note = f"host memory; median of {repeats} runs, alternated; {num_blocks} x 1 MiB blocks"
         every = f"torch copy, {threads} threads"
         return [
@@ -333,7 +350,7 @@ def bench_shared_storage(num_blocks: int, repeats: int, tmp: Path) -> list[Bench
         if has_safetensors:
             fns += [(clear_example, _on_threads(1, example_save)), (clear_example, _on_threads(threads, example_save))]
             loads += [_on_threads(1, example_load), _on_threads(threads, example_load)]
-        timed = _median_seconds(fns + loads, repeats)
+        timed = _rounds(fns + loads, repeats)
         saves, loaded = timed[: len(fns)], timed[len(fns) :]
         note = NOTE.format(cache="warm", r=repeats, n=num_blocks)
         baselines = [
@@ -348,7 +365,7 @@ def bench_shared_storage(num_blocks: int, repeats: int, tmp: Path) -> list[Bench
             results.append(_result("shared_storage load", s.nbytes, loaded[0], loaded[i], load_name, load_target, note))
         objects = _objects(store_dir)
         cold = partial(evict_from_page_cache, [*objects, raw_path])
-        kvdi_cold, files_cold, file_cold = _median_seconds(
+        kvdi_cold, files_cold, file_cold = _rounds(
             [(cold, s.load), (cold, raw_read_files(objects)), (cold, raw_load)], max(3, repeats // 2)
         )
         note = NOTE.format(cache="cold (posix_fadvise DONTNEED)", r=max(3, repeats // 2), n=num_blocks)

@@ -50,6 +50,10 @@ class CudaCalls(Protocol):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
+    def gather(self, out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None: ...
+
+    def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None: ...
+
 
 class TorchCuda:
     """:class:`CudaCalls` over ``torch.cuda``."""
@@ -76,6 +80,14 @@ class TorchCuda:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
+
+    def gather(self, out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+        import torch
+
+        torch.index_select(src, 0, index, out=out)
+
+    def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+        dst.index_copy_(0, index, src)
 
 
 class StreamOrder:
@@ -128,6 +140,14 @@ class StreamOrder:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """One asynchronous copy on the current stream."""
         self.cuda.copy(dst, src)
+
+    def gather(self, out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+        """``out[i] = src[index[i]]`` on the current stream (one kernel, whatever the number of rows)."""
+        self.cuda.gather(out, src, index)
+
+    def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst[index[i]] = src[i]`` on the current stream (one kernel, whatever the number of rows)."""
+        self.cuda.scatter(dst, index, src)
 
     def used_on(self, tensor: torch.Tensor, stream: Any) -> None:
         """``tensor`` (a CUDA tensor of the caching allocator) is used on ``stream`` too."""

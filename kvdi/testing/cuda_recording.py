@@ -85,9 +85,41 @@ class RecordingCuda:
         self.log.append(("copy", self._current().name))
         dst.copy_(src)
 
+    def gather(self, out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+        self.log.append(("gather", self._current().name))
+        import torch
+
+        torch.index_select(src, 0, index, out=out)
+
+    def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+        self.log.append(("scatter", self._current().name))
+        dst.index_copy_(0, index, src)
+
+    def copies(self) -> int:
+        """How many calls that move bytes were logged (copies, gathers, scatters)."""
+        return count_copies(self.log)
+
+    def host_waits(self) -> int:
+        """How many times the host waited on an event."""
+        return count_host_waits(self.log)
+
     def kinds(self) -> list[str]:
         """The logged calls' kinds, in order."""
         return [entry[0] for entry in self.log]
 
 
-__all__ = ["FakeEvent", "FakeStream", "RecordingCuda"]
+COPY_KINDS = ("copy", "gather", "scatter")
+"""The kinds of logged calls that move bytes."""
+
+
+def count_copies(log: list[tuple[Any, ...]]) -> int:
+    """Calls in ``log`` (a part of :attr:`RecordingCuda.log`) that move bytes."""
+    return sum(1 for entry in log if entry[0] in COPY_KINDS)
+
+
+def count_host_waits(log: list[tuple[Any, ...]]) -> int:
+    """Host waits on an event in ``log``."""
+    return sum(1 for entry in log if entry[0] == "host_wait")
+
+
+__all__ = ["COPY_KINDS", "FakeEvent", "FakeStream", "RecordingCuda", "count_copies", "count_host_waits"]

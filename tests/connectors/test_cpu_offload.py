@@ -102,3 +102,21 @@ def test_close_empties_the_pool() -> None:
     Engine(store, LAYOUT, make_settings(), seed=1).prefill(PROMPT, (1, 2, 3, 4, 5))
     store.close()
     assert store.count_prefix(KEYS) == 0
+
+
+def test_a_load_through_visit_many_is_byte_for_byte_and_a_flipped_payload_byte_is_a_counted_miss() -> None:
+    """Loads verify and copy each frame where it lies in the pool (visit_many, one pass: each span hashed, then
+    copied while in the CPU cache); a flipped payload byte is caught there and the blocks from it on recompute."""
+    store = pool(8)
+    producer = Engine(store, LAYOUT, make_settings(), seed=7)
+    producer.prefill(PROMPT, (1, 2, 3, 4, 5))
+    assert producer.worker.stats.saved_blocks == 4
+    consumer = Engine(store, LAYOUT, make_settings())
+    assert consumer.prefill(PROMPT, (9, 10, 11, 12, 13)) == (16, set())
+    assert torch.equal(torch.stack(producer.block(2)), torch.stack(consumer.block(10)))
+    slot, _size = store._lru[KEYS[1]]
+    store._slots()[slot, HEADER_SIZE + 5] ^= 0xFF
+    third = Engine(store, LAYOUT, make_settings())
+    loaded, failed = third.prefill(PROMPT, (6, 7, 8, 14, 15))
+    assert loaded == 16 and failed == {7, 8, 14}  # blocks from the bad one on are recomputed
+    assert third.worker.stats.corrupt_dropped == 1

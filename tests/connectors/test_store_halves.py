@@ -204,6 +204,7 @@ def test_staged_copies_move_the_same_bytes_as_direct_ones() -> None:
     staged_dst = CacheIO(dst, LAYOUT.layer_block_bytes, chunk=2, staging=True)
     (pieces,) = staged_src.save_pieces([4])
     payload = b"".join(bytes(p) for p in pieces)
+    assert len(payload) == LAYOUT.block_bytes
     staged_dst.copy_payload(memoryview(payload), staged_dst.load_pieces(0, 1))
     staged_dst.commit_load(0, 1)
     staged_dst.finish()

@@ -16,7 +16,7 @@ import contextlib
 import itertools
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -53,8 +53,28 @@ def gather(pieces: Sequence[memoryview], dst: memoryview) -> None:
         offset = end
 
 
+SLOTS = 2
+"""Staging chunks of a device cache's :class:`CacheIO`, used in turn: one chunk's store I/O overlaps the
+previous chunk's copies."""
+
+
+class SaveTicket(NamedTuple):
+    """A chunk whose copy-out was queued by :meth:`CacheIO.start_save` (its bytes: :meth:`CacheIO.saved`)."""
+
+    slot: int
+    block_ids: tuple[int, ...]
+
+
 class CacheIO:
-    """Per-layer uint8 views of the caches, plus staging for device caches."""
+    """Per-layer uint8 views of the caches, plus staging for device caches.
+
+    A device cache (``direct`` False) moves a chunk of up to ``chunk`` blocks with a fixed number of calls,
+    whatever the number of blocks: the block ids are uploaded once, each layer is gathered
+    (``index_select(out=)``) into or scattered (``index_copy_``) out of a device scratch whose row ``i`` is
+    block ``i`` of the chunk, layer after layer, and the scratch moves to or from a pinned host chunk in one
+    ``copy_``. A staged block is one contiguous run (one piece); the host chunks form a ring of :data:`SLOTS`,
+    each with the event after its copies, so the store I/O of one chunk overlaps the copies of the previous one.
+    """
 
     def __init__(
         self,
@@ -65,14 +85,16 @@ class CacheIO:
         buffers: Staging | None = None,
         order: StreamOrder | None = None,
         owner: str | None = None,
+        device_chunk: int | None = None,
     ) -> None:
         """``staging`` forces (True) or forbids (False) the host bounce; None: only for non-CPU caches.
 
-        ``buffers`` is where the staging rows come from (the worker half's
-        ``context.staging``); None: a private :class:`~kvdi.allocator.StagingBuffers`. ``owner``
-        names the staging buffer there (asking again under the same owner replaces it).
-        ``order`` orders the copies of a CUDA cache against the engine's stream
-        (:mod:`kvdi.connectors.streams`); None: :func:`~kvdi.connectors.streams.order_for` the cache's device.
+        ``chunk`` is the most blocks one chunk moves (``device_chunk`` instead when staged, if given).
+        ``buffers`` is where the staging comes from (the worker half's ``context.staging``); None: a private
+        :class:`~kvdi.allocator.StagingBuffers`. ``owner`` names the staging buffers there (asking again
+        under the same owner replaces them). ``order`` orders the copies of a CUDA cache against the
+        engine's stream (:mod:`kvdi.connectors.streams`); None: :func:`~kvdi.connectors.streams.order_for`
+        the cache's device.
         """
         import torch
 
@@ -93,30 +115,81 @@ class CacheIO:
             self._u8.append(t.view(torch.uint8).view(self.num_blocks, layer_bytes))
         self.direct = first.device.type == "cpu" if staging is None else not staging
         self.order = order if order is not None else order_for(first.device)
+        self.chunk = chunk if self.direct or device_chunk is None else min(device_chunk, self.num_blocks)
+        chunk = self.chunk  # staged: never more blocks than the cache holds
         # Flat byte views of each layer: a block's piece is a slice (cheaper than indexing an array per call).
         self._flat = [u.numpy().reshape(-1).data.cast("B") for u in self._u8] if self.direct else []
-        self._staging: torch.Tensor | None = None
-        self._staging_np: np.ndarray | None = None
-        if not self.direct:
-            if buffers is None:
-                from kvdi.allocator import StagingBuffers
+        self._row_bytes = layer_bytes * len(caches)
+        self._slot = 0
+        self._events: list[Any] = [None] * SLOTS  # per slot: the event after its queued copies (None: none queued)
+        self._last: Any = None  # the event after the last copies queued
+        self._committed: list[int] = []  # block ids loaded into rows 0, 1, ... of this slot, not yet copied in
+        if self.direct:
+            return
+        if buffers is None:
+            from kvdi.allocator import StagingBuffers
 
-                buffers = StagingBuffers(pin_memory=first.device.type == "cuda")
-            row_bytes = layer_bytes * len(caches)
-            self._staging = buffers(chunk * row_bytes, owner=owner).view(chunk, row_bytes)
-            self._staging_np = self._staging.numpy()
+            buffers = StagingBuffers(pin_memory=first.device.type == "cuda")
+        name = owner or f"cacheio-{id(self)}"
+        host = buffers(SLOTS * chunk * self._row_bytes, owner=name).view(SLOTS, chunk, self._row_bytes)
+        self._rows = list(host.unbind(0))
+        self._rows_np = [r.numpy() for r in self._rows]
+        index = buffers(SLOTS * chunk * 8, owner=f"{name}/index").view(torch.int64).view(SLOTS, chunk)
+        self._index = list(index.unbind(0))  # pinned with the staging: uploaded asynchronously, once per chunk
+        self._index_np = [i.numpy() for i in self._index]
+        self._scratch = buffers(chunk * self._row_bytes, device=first.device, owner=f"{name}/scratch")
+        self._scratch = self._scratch.view(chunk, self._row_bytes)
+        self._index_dev = buffers(chunk * 8, device=first.device, owner=f"{name}/index-dev").view(torch.int64)
+        # The gathers and scatters move 8-byte words where the layout allows (a byte-wise index kernel is slower).
+        word = torch.int64 if layer_bytes % 8 == 0 else torch.uint8
+        self._words = [u.view(word) for u in self._u8]
+        self._scratch_words = self._scratch.view(word)
+        self._layer_words = self._words[0].shape[1]
 
-    def _row_pieces(self, i: int) -> list[memoryview]:
-        assert self._staging_np is not None
-        row, lb = self._staging_np[i], self.layer_bytes
-        return [memoryview(row[l * lb : (l + 1) * lb]) for l in range(len(self._u8))]  # noqa: E741
+    # -- the ring -------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Start a chunk in the next staging slot; waits only if that slot's copies are still in flight."""
+        if self.direct:
+            return
+        if self._committed:
+            self._copy_in()
+        self._slot = (self._slot + 1) % SLOTS
+        self._wait_slot(self._slot)
+
+    def _wait_slot(self, slot: int) -> None:
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()
+            self._events[slot] = None
+            if event is self._last:
+                self._last = None
+
+    def finish(self) -> None:
+        """Queue the copies of committed loads, then wait for every copy this CacheIO queued (before staging
+        is read or reused): on the event after them on the current stream, never a device-wide synchronize."""
+        if self._committed:
+            self._copy_in()
+        if self.order is None:
+            return
+        if self._last is not None:
+            self._last.synchronize()
+        self._events = [None] * SLOTS
+        self._last = None
+
+    def _mark(self, slot: int) -> None:
+        if self.order is not None:
+            self._events[slot] = self._last = self.order.mark()
+
+    # -- loads ----------------------------------------------------------------------------------
 
     def load_pieces(self, i: int, block_id: int) -> list[memoryview]:
-        """Where the ``i``-th block of a chunk is read into: the cache block itself, or staging row ``i``."""
+        """Where the ``i``-th block of a chunk is read into: the cache block itself (one piece per layer),
+        or row ``i`` of this chunk's staging (one piece)."""
         if self.direct:
             start = block_id * self.layer_bytes
             return [m[start : start + self.layer_bytes] for m in self._flat]
-        return self._row_pieces(i)
+        return [memoryview(self._rows_np[self._slot][i])]
 
     @staticmethod
     def copy_payload(payload: memoryview, pieces: Sequence[memoryview]) -> None:
@@ -124,49 +197,100 @@ class CacheIO:
         scatter(payload, pieces)
 
     def commit_load(self, i: int, block_id: int) -> None:
-        """Make a loaded block visible in the cache (device caches: start the host-to-device copy)."""
+        """Make a loaded block visible in the cache. Device caches: rows are committed in order (0, 1, ...)
+        and copied in together, by :meth:`submit`, :meth:`begin` or :meth:`finish`."""
         if self.direct:
             return
-        assert self._staging is not None
-        row, lb = self._staging[i], self.layer_bytes
-        for l, u in enumerate(self._u8):  # noqa: E741
-            self._copy(u[block_id], row[l * lb : (l + 1) * lb])
+        if i != len(self._committed):
+            raise ValueError(f"staging row {i} committed out of order (next is {len(self._committed)})")
+        self._committed.append(block_id)
+
+    def submit(self) -> None:
+        """Queue the copies of the loads committed in this chunk (asynchronous; :meth:`finish` waits)."""
+        if self._committed:
+            self._copy_in()
+
+    def _copy_in(self) -> None:
+        ids, self._committed = self._committed, []
+        n, lw = len(ids), self._layer_words
+        index = self._upload(ids)
+        self._copy(self._scratch[:n], self._rows[self._slot][:n])
+        scratch = self._scratch_words[:n]
+        for l, u in enumerate(self._words):  # noqa: E741
+            self._scatter(u, index, scratch[:, l * lw : (l + 1) * lw])
+        self._mark(self._slot)
+
+    # -- saves ----------------------------------------------------------------------------------
+
+    def save_pieces(self, block_ids: Sequence[int]) -> list[list[memoryview]]:
+        """The payload pieces of each block, valid until the chunk's staging slot is used again."""
+        return self.saved(self.start_save(block_ids))
+
+    def start_save(self, block_ids: Sequence[int]) -> SaveTicket:
+        """Device caches: queue the copy-out of up to ``chunk`` blocks into the next staging slot (asynchronous)."""
+        ids = tuple(block_ids)
+        if self.direct:
+            return SaveTicket(-1, ids)
+        if len(ids) > self.chunk:
+            raise ValueError(f"{len(ids)} blocks do not fit a staging chunk of {self.chunk}")
+        self.begin()
+        n, lw = len(ids), self._layer_words
+        index = self._upload(ids)
+        scratch = self._scratch_words[:n]
+        for l, u in enumerate(self._words):  # noqa: E741
+            self._gather(scratch[:, l * lw : (l + 1) * lw], u, index)
+        self._copy(self._rows[self._slot][:n], self._scratch[:n])
+        self._mark(self._slot)
+        return SaveTicket(self._slot, ids)
+
+    def saved(self, ticket: SaveTicket) -> list[list[memoryview]]:
+        """The pieces of each block of ``ticket``, once its copies are done (the host waits on its event)."""
+        if self.direct:
+            lb = self.layer_bytes
+            return [[m[b * lb : (b + 1) * lb] for m in self._flat] for b in ticket.block_ids]
+        self._wait_slot(ticket.slot)
+        rows = self._rows_np[ticket.slot]
+        return [[memoryview(rows[i])] for i in range(len(ticket.block_ids))]
+
+    # -- copies ---------------------------------------------------------------------------------
+
+    def _upload(self, ids: Sequence[int]) -> torch.Tensor:
+        """The chunk's block ids on the cache's device: written to this slot's pinned index, one copy."""
+        n = len(ids)
+        self._index_np[self._slot][:n] = ids
+        index = self._index_dev[:n]
+        self._copy(index, self._index[self._slot][:n])
+        return index
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """One staging copy: asynchronous on the current stream of a CUDA cache (see :meth:`finish`)."""
+        """One copy: asynchronous on the current stream of a CUDA cache (see :meth:`finish`)."""
         if self.order is not None:
             self.order.copy(dst, src)
         else:
             dst.copy_(src, non_blocking=True)
 
-    def finish(self) -> None:
-        """Wait for this thread's queued copies (before staging rows are read or reused): on the event
-        after them on the current stream, never a device-wide synchronize."""
+    def _gather(self, out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
         if self.order is not None:
-            self.order.wait()
+            self.order.gather(out, src, index)
+        else:
+            import torch
+
+            torch.index_select(src, 0, index, out=out)
+
+    def _scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+        if self.order is not None:
+            self.order.scatter(dst, index, src)
+        else:
+            dst.index_copy_(0, index, src)
 
     def fence(self) -> object:
-        """On the engine thread, before handing a load to the background: what the job's copies must
+        """On the engine thread, before handing a job to the background: what the job's copies must
         follow (the compute queued so far on the current stream); None for a CPU cache."""
         return self.order.fence() if self.order is not None else None
 
     def on_side_stream(self, fence: object) -> contextlib.AbstractContextManager[object]:
         """Background jobs run their copies inside this: on the side stream, after ``fence`` only."""
         return self.order.side(fence) if self.order is not None else contextlib.nullcontext()
-
-    def save_pieces(self, block_ids: Sequence[int]) -> list[list[memoryview]]:
-        """The payload pieces of each block, valid until the next call."""
-        if self.direct:
-            lb = self.layer_bytes
-            return [[m[b * lb : (b + 1) * lb] for m in self._flat] for b in block_ids]
-        assert self._staging is not None
-        lb = self.layer_bytes
-        for i, b in enumerate(block_ids):
-            row = self._staging[i]
-            for l, u in enumerate(self._u8):  # noqa: E741
-                self._copy(row[l * lb : (l + 1) * lb], u[b])
-        self.finish()
-        return [self._row_pieces(i) for i in range(len(block_ids))]
 
 
 class CacheIOs:
@@ -184,11 +308,13 @@ class CacheIOs:
 
     def __init__(
         self, caches: Sequence[torch.Tensor], layer_bytes: int, chunk: int, buffers: Staging | None, owner: str,
-        staging: bool | None = None,
+        staging: bool | None = None, device_chunk: int | None = None,
     ) -> None:  # fmt: skip
         self.caches = list(caches)
-        self._args = (layer_bytes, chunk, buffers, owner, staging)
-        self.io = CacheIO(self.caches, layer_bytes, chunk, staging=staging, buffers=buffers, owner=f"{owner}/cache")
+        self._args = (layer_bytes, chunk, buffers, owner, device_chunk)
+        self.io = CacheIO(
+            self.caches, layer_bytes, chunk, staging, buffers, owner=f"{owner}/cache", device_chunk=device_chunk
+        )
         self._free: list[CacheIO] = []
         self._made = itertools.count()  # next() is atomic: load jobs take from their own threads
 
@@ -199,9 +325,9 @@ class CacheIOs:
         try:
             return self._free.pop()
         except IndexError:
-            layer_bytes, chunk, buffers, owner, _ = self._args
+            layer_bytes, chunk, buffers, owner, device_chunk = self._args
             name = f"{owner}/job{next(self._made)}"
-            return CacheIO(self.caches, layer_bytes, chunk, staging=True, buffers=buffers, owner=name)
+            return CacheIO(self.caches, layer_bytes, chunk, True, buffers, owner=name, device_chunk=device_chunk)
 
     def give_back(self, io: CacheIO) -> None:
         """A job is done with ``io`` (from :meth:`take`)."""

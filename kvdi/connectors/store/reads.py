@@ -2,11 +2,12 @@
 
 :func:`read_chunk` makes one store call for a chunk, in the cheapest way the store offers:
 a store that can lend its bytes (``visit_many``, e.g. cpu_offload's pool) has each frame
-verified in place and copied into the cache while it is still in the CPU cache (one pass over
-memory, like a plain copy); a store that reads into caller buffers (``get_into_many``) reads
-straight into the cache, verified after; any other store returns bytes that are verified and
-copied. :func:`verify_chunk` then counts and places each block, stopping at the first bad one,
-which is counted and dropped.
+verified and copied piece by piece where it lies (:func:`place_frame`: each piece is hashed and
+copied while it is in the CPU cache, one pass over memory, like a plain copy); a store that reads
+into caller buffers (``get_into_many``) reads straight into the cache, verified after; any other
+store returns bytes that are verified and copied. "The cache" is the paged cache itself (a CPU
+cache) or the pinned staging chunk a device cache's blocks are copied in from. :func:`verify_chunk`
+then counts and places each block, stopping at the first bad one, which is counted and dropped.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from kvdi.connectors.base import ConnectorStats
-from kvdi.connectors.store.framing import HEADER_SIZE, Buffer, CorruptObjectError, FrameKey, unframe, verify_pieces
+from kvdi.connectors.store.framing import (
+    HEADER_SIZE,
+    Buffer,
+    CorruptObjectError,
+    FrameKey,
+    PayloadHasher,
+    check_header,
+    unframe,
+    verify_pieces,
+)
 from kvdi.connectors.store.protocol import BlockStore, ReadIntoStore, StoreCapabilities, ViewStore
 
 if TYPE_CHECKING:
@@ -36,36 +46,73 @@ class ReadChunk:
     visited: list[BaseException | None] | None = None
 
 
+PLACE_BYTES = 256 << 10  # bytes hashed then copied at a time: they are still in the CPU's L2 when copied
+
+
+def place_frame(
+    frame: Buffer,
+    pieces: Sequence[memoryview],
+    fingerprint: bytes,
+    block_bytes: int,
+    mac_key: FrameKey | None = None,
+    *,
+    name: Buffer,
+) -> None:
+    """Verify the whole frame ``frame`` of block ``name`` and copy its payload into ``pieces`` in one pass:
+    each span of up to :data:`PLACE_BYTES` is hashed, then copied while it is in the CPU cache.
+
+    Raises CorruptObjectError (header faults before any byte is copied); on a bad checksum or MAC the
+    pieces hold the bad payload, so the caller must treat the block as not loaded.
+    """
+    view = memoryview(frame).cast("B")
+    check_header(view[:HEADER_SIZE], fingerprint, block_bytes, name=name)
+    if view.nbytes != HEADER_SIZE + block_bytes:
+        raise CorruptObjectError("length", f"object of {view.nbytes} B, expected {HEADER_SIZE + block_bytes} B")
+    hasher = PayloadHasher(mac_key)
+    offset = HEADER_SIZE
+    for piece in pieces:
+        dst = piece if piece.format == "B" else piece.cast("B")
+        for start in range(0, dst.nbytes, PLACE_BYTES):
+            end = min(start + PLACE_BYTES, dst.nbytes)
+            src = view[offset + start : offset + end]
+            hasher.update(src)
+            dst[start:end] = src
+        offset += dst.nbytes
+    if offset != view.nbytes:
+        raise CorruptObjectError("length", f"pieces of {offset - HEADER_SIZE} B for a {block_bytes} B payload")
+    hasher.verify(view[:HEADER_SIZE], fingerprint, block_bytes, name=name)
+
+
 def read_chunk(
     store: BlockStore,
     caps: StoreCapabilities,
-    check: Callable[[memoryview, bytes], memoryview],
+    place: Callable[[memoryview, bytes, Sequence[memoryview]], None],
     io: CacheIO,
     ids: Sequence[int],
     keys: Sequence[bytes],
 ) -> ReadChunk:
     """One store call for ``keys``; raises whatever the store raises, or TypeError on a reply of the wrong shape.
 
-    ``check(frame, key)`` verifies a whole frame stored under ``key`` and returns its payload (raising
-    CorruptObjectError).
+    ``place(frame, key, pieces)`` verifies a whole frame stored under ``key`` and copies its payload into
+    ``pieces`` (raising CorruptObjectError: :func:`place_frame`).
     """
     pieces = [io.load_pieces(i, bid) for i, bid in enumerate(ids)]
-    if caps.visit and io.direct:
+    if caps.visit:
         outcome: list[BaseException | None] = [None] * len(ids)
 
-        def place(i: int, frame: memoryview) -> None:
+        def visit(i: int, frame: memoryview) -> None:
             try:
-                io.copy_payload(check(frame, keys[i]), pieces[i])
+                place(frame, keys[i], pieces[i])
             except Exception as exc:  # recorded, never raised into the store
                 outcome[i] = exc
 
-        present = cast(ViewStore, store).visit_many(keys, place)
+        present = cast(ViewStore, store).visit_many(keys, visit)
         if not isinstance(present, list) or len(present) != len(keys):
             raise TypeError(f"visit_many returned {type(present).__name__} for {len(keys)} keys")
         sizes: list[int | None] = [1 if p is True else None for p in present]  # present (its size was checked)
         return ReadChunk(ids, keys, pieces, [], sizes, [None] * len(ids), outcome)
     headers = [bytearray(HEADER_SIZE) for _ in ids]
-    if caps.read_into and io.direct:
+    if caps.read_into:
         targets = [(k, [memoryview(h), *p]) for k, h, p in zip(keys, headers, pieces, strict=True)]
         sizes = cast(ReadIntoStore, store).get_into_many(targets)
         objects: list[Buffer | None] = [None] * len(ids)
@@ -150,4 +197,4 @@ class Readahead:
             self._prefetch = None  # the objects are in fast memory: reading ahead buys nothing for this load
 
 
-__all__ = ["ReadChunk", "Readahead", "read_chunk", "verify_chunk"]
+__all__ = ["PLACE_BYTES", "ReadChunk", "Readahead", "place_frame", "read_chunk", "verify_chunk"]

@@ -8,8 +8,9 @@ Asynchronous transfers (``transfer.async_save``, ``transfer.async_load``: :mod:`
 :class:`TransferQueue`. The invariant: no block's bytes are read or written after the engine may have reused the
 block. A request with asynchronous transfers keeps its blocks (``delay_free``) until this half reports it finished
 sending in :meth:`get_finished`, after its last job; :meth:`handle_preemptions` flushes the jobs of requests whose
-blocks the engine takes back at once. A device cache is copied out to host staging on the engine thread (pinned;
-background loads copy in on a side stream after the compute queued at hand-over: :mod:`kvdi.connectors.streams`).
+blocks the engine takes back at once. A device cache's blocks move through pinned staging a chunk at a time
+(:class:`~.blockio.CacheIO`); background jobs, asynchronous saves included, copy on a side stream after an event
+recorded on the engine's stream when they were handed over (:mod:`kvdi.connectors.streams`).
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ from kvdi.connectors.base import (
     WorkerConnector,
 )
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.store.framing import HEADER_SIZE, Buffer, frame_header, unframe
+from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.integrity import frame_key
 from kvdi.connectors.store.prefetch import HostStaging
 from kvdi.connectors.store.protocol import StoreCapabilities, require_store, written_count
-from kvdi.connectors.store.reads import Readahead, ReadChunk, read_chunk, verify_chunk
+from kvdi.connectors.store.reads import Readahead, ReadChunk, place_frame, read_chunk, verify_chunk
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue, add_stats
 from kvdi.connectors.store.worker_prefetch import WorkerPrefetch
+from kvdi.connectors.store.writes import BlockWriter
 
 if TYPE_CHECKING:
     import torch
@@ -45,17 +47,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 20  # payload bytes per store call (at least one block): stays in L2 between checksum and copy
+CHUNK_BYTES = 1 << 20  # payload bytes per store call from a CPU cache (at least one block)
+DEVICE_CHUNK_BYTES = 32 << 20  # payload bytes per staged chunk of a device cache (tens of MiB: few, large copies)
 READAHEAD_BYTES = 64 << 20  # how far ahead of the chunk being read a store with prefetch() is asked to read
 _IO_THREAD = {"on": True, "off": False, "auto": None}
-_Pieces = list[list[memoryview]]  # each block's pieces, copied out of a device cache
 
 
 class StoreWorkerConnector(WorkerConnector):
     """Copies blocks between the paged cache and framed objects; a bad object is a miss, never an exception.
-
-    Synchronous transfers run in chunks of about :data:`CHUNK_BYTES`. With ``io_thread`` on (``transfer.io_thread``;
-    a CPU cache), one I/O thread overlaps the store calls (which release the GIL) with checksums (which hold it)."""
+    With ``transfer.io_thread`` on (a CPU cache), an I/O thread overlaps store calls with checksums."""
 
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
@@ -69,12 +69,14 @@ class StoreWorkerConnector(WorkerConnector):
         self._block_bytes = layout.block_bytes
         self._frame_bytes = HEADER_SIZE + layout.block_bytes
         self._chunk = max(1, CHUNK_BYTES // layout.block_bytes)
+        self._device_chunk = max(1, DEVICE_CHUNK_BYTES // layout.block_bytes)
         self._readahead = max(self._chunk, READAHEAD_BYTES // layout.block_bytes)  # blocks
         self._ios: CacheIOs | None = None  # this registration's cache access and its jobs' staging
         self._executor: ThreadPoolExecutor | None = None
         self._fetcher: ThreadPoolExecutor | None = None
         self._cpus: int | None = None
         self._queue = TransferQueue(self.name, transfer.max_inflight_bytes, load_threads=transfer.load_threads)
+        self._writer = BlockWriter(self.store, self._fingerprint, self._key)  # frames saves (:mod:`.writes`)
         self.staging = HostStaging.of(self.store, transfer, self._frame_bytes, self.name)  # :mod:`.prefetch`
         self.prefetching = WorkerPrefetch(self.store, self.capabilities, self.staging, self.stats)
         self._async_save = transfer.async_save
@@ -94,7 +96,8 @@ class StoreWorkerConnector(WorkerConnector):
         names = [n for n in layout.layer_names if n in kv_caches]
         tensors = [kv_caches[n] for n in names] if len(names) == len(kv_caches) else list(kv_caches.values())
         # A new registration replaces the old one whole: jobs still running give their staging back to the old one.
-        self._ios = CacheIOs(tensors, layout.layer_block_bytes, self._chunk, self.context.staging, f"{self.name}/store")
+        args = (tensors, layout.layer_block_bytes, self._chunk, self.context.staging, f"{self.name}/store")
+        self._ios = CacheIOs(*args, device_chunk=self._device_chunk)
 
     @property
     def inflight_bytes(self) -> int:  # queued asynchronous saves: a gauge (:class:`~kvdi.connectors.base.WorkerGauges`)
@@ -114,6 +117,10 @@ class StoreWorkerConnector(WorkerConnector):
         if self._ios is None:
             raise RuntimeError(f"connector {self.name!r}: register_kv_caches() was not called before a transfer")
         return self._ios
+
+    def _blocks_per_call(self, io: CacheIO) -> int:
+        """Blocks per store call: about :data:`CHUNK_BYTES` from a CPU cache, a staging chunk from a device cache."""
+        return self._chunk if io.direct else io.chunk
 
     def _overlap(self, io: CacheIO) -> bool:
         """Whether store calls overlap checksums on other threads (``io_thread``; never on a device cache)."""
@@ -233,9 +240,10 @@ class StoreWorkerConnector(WorkerConnector):
     ) -> Sequence[int]:
         """Load one request's blocks chunk by chunk; return the block ids not loaded (from the first bad one on)."""
         ids, keys = transfer.block_ids, transfer.block_keys
-        spans = [(s, min(s + self._chunk, len(ids))) for s in range(0, len(ids), self._chunk)]
+        n = self._blocks_per_call(io)
+        spans = [(s, min(s + n, len(ids))) for s in range(0, len(ids), n)]
         store, caps = self.prefetching.source(transfer.request_id)
-        read = partial(read_chunk, store, caps, self._unframe, io)
+        read = partial(read_chunk, store, caps, self._place, io)
         readahead = Readahead(caps.prefetch, keys, self._readahead)
         ahead = executor.submit(read, ids[: spans[0][1]], keys[: spans[0][1]]) if executor and spans else None
         for k, (start, end) in enumerate(spans):
@@ -246,24 +254,28 @@ class StoreWorkerConnector(WorkerConnector):
                 ahead = executor.submit(read, ids[nxt[0] : nxt[1]], keys[nxt[0] : nxt[1]])
             else:
                 ahead = None
+            io.begin()  # a device cache: the next staging slot (its copies from two chunks ago are done)
             try:
                 chunk = current.result() if current is not None else read(ids[start:end], keys[start:end])
             except Exception:
                 good = self._load_one_by_one(io, ids[start:end], keys[start:end], stats)
             else:
                 good = self._verify(io, chunk, stats)
-            io.finish()
+            io.submit()  # queue this chunk's copies in; the next chunk's reads overlap them
             if start + good < end:
+                io.finish()
                 if ahead is not None:
                     wait([ahead])  # it writes into blocks about to be recomputed: let it finish first
                 return ids[start + good :]
+        io.finish()
         return ()
 
     def _load_one_by_one(self, io: CacheIO, ids: Sequence[int], keys: Sequence[bytes], stats: ConnectorStats) -> int:
         """Read a failed chunk's objects singly; return how many leading ones are in place."""
         for i, (bid, key) in enumerate(zip(ids, keys, strict=True)):
+            io.begin()
             try:
-                chunk = read_chunk(self.store, self.capabilities, self._unframe, io, (bid,), (key,))
+                chunk = read_chunk(self.store, self.capabilities, self._place, io, (bid,), (key,))
             except OSError as exc:  # the medium failed (server gone, disk error): a load failure
                 stats.load_failures += 1
                 self._log_once(f"oserror:{type(exc).__name__}", "loading KV failed, recomputing: %s", exc)
@@ -279,9 +291,9 @@ class StoreWorkerConnector(WorkerConnector):
                 return i
         return len(ids)
 
-    def _unframe(self, frame: memoryview, name: bytes) -> memoryview:
-        """The verified payload of a whole frame stored under block key ``name`` (CorruptObjectError otherwise)."""
-        return unframe(frame, self._fingerprint, self._block_bytes, self._key, name=name)
+    def _place(self, frame: memoryview, name: bytes, pieces: Sequence[memoryview]) -> None:
+        """Verify a whole frame stored under block key ``name`` and copy its payload into ``pieces``, in one pass."""
+        place_frame(frame, pieces, self._fingerprint, self._block_bytes, self._key, name=name)
 
     def _verify(self, io: CacheIO, chunk: ReadChunk, stats: ConnectorStats) -> int:
         return verify_chunk(
@@ -301,42 +313,40 @@ class StoreWorkerConnector(WorkerConnector):
 
     def wait_for_save(self) -> None:
         """Synchronous: return when the step's saves are written. Asynchronous: queue them (waiting only
-        while queued saves hold more than ``transfer.max_inflight_bytes``) and return."""
+        while queued saves hold more than ``transfer.max_inflight_bytes``) and return: a device cache's
+        copy-out runs in the save job, on a side stream after this step's forward (never on this thread)."""
         meta = self.metadata
         if not isinstance(meta, BlockTransferMetadata) or not meta.saves:
             return
-        io = self._cache()
+        ios = self._cache_ios()
         with self.stats.timed("save_seconds"):
             if isinstance(meta, StoreTransferMetadata) and meta.async_save:
                 self._collect(self._queue.harvest(loads=False))
+                fence = ios.io.fence()  # CUDA: everything queued on the engine's stream so far, this forward too
                 for transfer in meta.saves:
-                    self._queue_save(io, transfer)
+                    self._queue_save(ios, fence, transfer)
             else:
-                self._save_now(io, meta.saves)
+                self._save_now(ios.io, meta.saves)
 
-    def _queue_save(self, io: CacheIO, transfer: BlockTransfer) -> None:
-        ids, keys = transfer.block_ids, transfer.block_keys
-        for start in range(0, len(ids), self._chunk):
-            span = slice(start, start + self._chunk)
-            ios = self._cache_ios()
-            job_io = ios.take()
-            pieces = None if io.direct else job_io.save_pieces(ids[span])  # device: copy out to staging now
-            job = partial(self._save_job, ios, job_io, transfer.request_id, ids[span], keys[span], pieces)
+    def _queue_save(self, ios: CacheIOs, fence: object, transfer: BlockTransfer) -> None:
+        ids, keys, chunk = transfer.block_ids, transfer.block_keys, self._blocks_per_call(ios.io)
+        for start in range(0, len(ids), chunk):
+            span = slice(start, start + chunk)
+            job = partial(self._save_job, ios, fence, transfer.request_id, ids[span], keys[span])
             self._queue.submit_save(transfer.request_id, len(ids[span]) * self._block_bytes, ids[span], job)
 
     def _save_job(
-        self,
-        ios: CacheIOs,
-        io: CacheIO,
-        request_id: str,
-        ids: Sequence[int],
-        keys: Sequence[bytes],
-        pieces: _Pieces | None,
+        self, ios: CacheIOs, fence: object, request_id: str, ids: Sequence[int], keys: Sequence[bytes]
     ) -> Outcome:
+        """One chunk of an asynchronous save, on the save thread. A device cache's blocks are copied out on the
+        side stream after ``fence``, and this thread (not the engine's) waits for them: the blocks are held
+        (``delay_free``, flushed on preemption) until the job is done, so their bytes are still the step's."""
         out = Outcome(request_id, False)
+        io = ios.take()
         try:
-            framed = self._frames(io, ids, keys, pieces)
-            self._settle(out.stats, len(framed), partial(self.store.put_many, framed), keys)
+            with io.on_side_stream(fence):
+                pieces = io.save_pieces(ids)
+            self._settle(out.stats, len(keys), self._writer.call(pieces, keys), keys)
         finally:
             ios.give_back(io)
         return out
@@ -345,26 +355,23 @@ class StoreWorkerConnector(WorkerConnector):
         executor = self._background(io)
         ids = [b for t in saves for b in t.block_ids]
         keys = [k for t in saves for k in t.block_keys]
-        writing: tuple[Future[int | None], Sequence[bytes]] | None = None
-        for start in range(0, len(ids), self._chunk):
-            span = keys[start : start + self._chunk]
-            items = self._frames(io, ids[start : start + self._chunk], span)
+        n = self._blocks_per_call(io)
+        spans = [slice(s, s + n) for s in range(0, len(ids), n)]
+        tickets = [io.start_save(ids[spans[0]])] if spans else []
+        writing: tuple[Future[object], Sequence[bytes]] | None = None
+        for k, span in enumerate(spans):
+            pieces = io.saved(tickets[k])
+            if k + 1 < len(spans):
+                tickets.append(io.start_save(ids[spans[k + 1]]))  # a device cache: copied out while this is written
+            call = self._writer.call(pieces, keys[span])
             if executor is None:
-                self._settle(self.stats, len(items), partial(self.store.put_many, items), span)
+                self._settle(self.stats, len(keys[span]), call, keys[span])
                 continue
             if writing is not None:
                 self._settle(self.stats, len(writing[1]), writing[0].result, writing[1])
-            writing = (executor.submit(self.store.put_many, items), span)
+            writing = (executor.submit(call), keys[span])
         if writing is not None:
             self._settle(self.stats, len(writing[1]), writing[0].result, writing[1])
-
-    def _frames(
-        self, io: CacheIO, ids: Sequence[int], keys: Sequence[bytes], pieces: list[list[memoryview]] | None = None
-    ) -> list[tuple[bytes, Sequence[Buffer]]]:
-        items: list[tuple[bytes, Sequence[Buffer]]] = []
-        for piece_list, key in zip(io.save_pieces(ids) if pieces is None else pieces, keys, strict=True):
-            items.append((key, [frame_header(self._fingerprint, piece_list, self._key, name=key), *piece_list]))
-        return items
 
     def _settle(self, stats: ConnectorStats, count: int, finish: Callable[[], object], keys: Sequence[bytes]) -> None:
         """Run or wait for one put_many of ``count`` blocks and count the outcome; nothing is ever raised."""
