@@ -217,13 +217,16 @@ def cmd_check(args: argparse.Namespace, _rest: list[str]) -> int:
     """
     from kvdi.cli_check import check_warnings
     from kvdi.containers import build_engine_container
+    from kvdi.settings.loading import errors_as_written
+    from kvdi.settings.vllm_compat import transfer_key
 
-    settings = _check_settings(args.vllm_config)
-    container = build_engine_container(settings)
-    resolved = container.kv.connector()
-    container.alloc.plan()  # an impossible budget fails here; its block count is the reference engine's, not vLLM's
-    summary = _probe_backend(container, resolved.spec.name)
-    warnings = check_warnings(settings, container, summary)
+    settings, overrides = _check_settings(args.vllm_config)
+    with errors_as_written(overrides, transfer_key("--vllm-config")):  # backend errors name the JSON key too
+        container = build_engine_container(settings)
+        resolved = container.kv.connector()
+        container.alloc.plan()  # an impossible budget fails here; its block count is the reference engine's, not vLLM's
+        summary = _probe_backend(container, resolved.spec.name)
+        warnings = check_warnings(settings, container, summary)
     print(
         f"ok: connector {resolved.spec.name} ({resolved.origin}); backend: {_one_line(summary)}"
         + "".join(f"\nwarning: {w}" for w in warnings)
@@ -235,15 +238,16 @@ def cmd_check(args: argparse.Namespace, _rest: list[str]) -> int:
     return 0
 
 
-def _check_settings(vllm_config: str | None) -> Any:
-    """Settings for ``kvdi check``; with vLLM's JSON, as the adapter builds them, errors naming the JSON key."""
+def _check_settings(vllm_config: str | None) -> tuple[Any, dict[str, Any]]:
+    """Settings for ``kvdi check`` and the overrides read from ``vllm_config`` (none without it); with vLLM's JSON,
+    as the adapter builds them, errors naming the JSON key."""
     from kvdi.cli_check import check_connector_names, json_error
     from kvdi.settings import load_settings
     from kvdi.settings.loading import errors_as_written
     from kvdi.settings.vllm_compat import adapter_overrides, transfer_key
 
     if vllm_config is None:
-        return load_settings()
+        return load_settings(), {}
     try:
         data = json.loads(vllm_config)
     except json.JSONDecodeError as exc:
@@ -255,7 +259,7 @@ def _check_settings(vllm_config: str | None) -> Any:
     check_connector_names(data)
     overrides = adapter_overrides(data, "--vllm-config")
     with errors_as_written(overrides, transfer_key("--vllm-config")):
-        return load_settings(**overrides)
+        return load_settings(**overrides), overrides
 
 
 def _probe_backend(container: Any, name: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 
 from kvdi import cli_check
 from kvdi.cli import main
-from kvdi.testing.redis_server import RedisServer
+from kvdi.testing.redis_server import RedisServer, free_port
 
 
 def check(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -122,3 +122,23 @@ def test_other_connectors_are_not_taken_for_typos(
     error is the usual "nothing of kvdi's to read"."""
     code, _out, err = check(capsys, "--vllm-config", json.dumps(config))
     assert code == 2 and "did you mean" not in err and "nothing of kvdi's to read" in err
+
+
+@pytest.mark.parametrize(
+    ("key", "kind", "why"),
+    [
+        ("kvdi.redis.url", "redis", "redis server cannot serve"),
+        ("kvdi.shared_storage.path", "shared_storage", "cannot use it as the KV store directory"),
+    ],
+)
+def test_a_backend_failure_names_the_json_key(
+    kvdi_env: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str, kind: str, why: str
+) -> None:
+    """A backend that cannot be opened (a Redis URL nobody answers, a store folder under a plain file) with
+    ``--vllm-config`` is one line naming the ``--kv-transfer-config`` key that set it, no ``KVDI_*`` variable."""
+    (tmp_path / "file").write_text("")
+    value = f"redis://127.0.0.1:{free_port()}/0" if kind == "redis" else str(tmp_path / "file" / "kv")
+    config = {"kv_connector": "KvdiConnector", "kv_connector_extra_config": {"kvdi.kv_connector": kind, key: value}}
+    code, out, err = check(capsys, "--vllm-config", json.dumps(config))
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert f"--vllm-config key {key}=" in err and why in err and "KVDI_" not in err
