@@ -7,10 +7,12 @@ Usage (the vLLM venv, from the repository root)::
 
 One ``vllm serve`` (the tiny random Llama of the real-vLLM tests with a word-level tokenizer, written with
 ``transformers`` at run time; block size 32, prefix caching on) per (configuration, repeat), configurations
-alternated and their order rotated per repeat: no connector, :mod:`.noop_connector` (a connector whose every
-method does nothing: vLLM's floor for "a connector is configured"), vLLM's ``ExampleConnector``, kvdi ``null``,
-``shared_storage``, ``cpu_offload`` and ``redis`` (a real ``redis-server`` on loopback). Each server runs a
-warm-up, then per (dataset, concurrency) three passes of vLLM's client (``vllm.benchmarks.serve``, the code of
+alternated (one order, then the reverse, rotated every second repeat): no connector, :mod:`.noop_connector`
+(a connector whose every method does nothing: vLLM's floor for "a connector is configured"), vLLM's
+``ExampleConnector``, kvdi ``null``, ``shared_storage``, ``cpu_offload`` and ``redis`` (a real ``redis-server``
+on loopback); with ``--before-tree`` each kvdi configuration also runs as ``<name>@before``, kvdi imported
+from that checkout. Each server runs a warm-up, then per (dataset, concurrency) three passes of vLLM's client
+(``vllm.benchmarks.serve``, the code of
 ``vllm bench serve``, unchanged, called in this process with arguments parsed by its own parser):
 
 - ``cold``: prompts the server has never seen (a store connector stores them);
@@ -46,8 +48,10 @@ from tests.real_vllm.serve_support import free_port, model_with_tokenizer
 from tests.real_vllm.vllm_support import BLOCK_SIZE, kv_config, make_tiny_llama, read_stats
 
 ROOT = Path(__file__).resolve().parents[2]
+BEFORE = "@before"  # the same configuration with kvdi from --before-tree
 CONFIGS = ("none", "noop", "example", "null", "shared_storage", "cpu_offload", "redis")
 PASSES = ("cold", "hit", "load")
+KVDI_CONFIGS = ("null", "shared_storage", "cpu_offload", "redis")
 START_TIMEOUT_S = 600
 NOOP = {"kv_connector": "NoopConnector", "kv_connector_module_path": "benchmarks.vllm.noop_connector"}
 
@@ -74,7 +78,8 @@ def server_priority() -> None:
 
 
 def kv_for(name: str, store: Path, redis_url: str, stats: Path) -> dict[str, Any] | None:
-    """The ``--kv-transfer-config`` of configuration ``name`` (None: no connector)."""
+    """The ``--kv-transfer-config`` of configuration ``name`` (None: no connector); ``<name>@before`` is ``name``."""
+    name = name.removesuffix(BEFORE)
     if name == "none":
         return None
     if name == "noop":
@@ -94,7 +99,9 @@ def kv_for(name: str, store: Path, redis_url: str, stats: Path) -> dict[str, Any
 class Server:
     """One ``vllm serve`` process group on loopback (dev mode on, for ``/reset_prefix_cache``)."""
 
-    def __init__(self, model: Path, log: Path, kv: dict[str, Any] | None, max_len: int) -> None:
+    def __init__(
+        self, model: Path, log: Path, kv: dict[str, Any] | None, max_len: int, tree: Path = ROOT
+    ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -107,7 +114,7 @@ class Server:
         if kv is not None:
             command += ["--kv-transfer-config", json.dumps(kv)]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), str(ROOT), env.get("PYTHONPATH", "")) if p)
         with log.open("w") as out:
             self.proc = subprocess.Popen(
                 command,
@@ -195,7 +202,9 @@ def serve_one(
     """Start ``name``'s server, run the warm-up and every row's passes, stop it; figures per row and pass."""
     store = work / f"store-{name}-{repeat}"
     stats = work / f"stats-{name}-{repeat}"
-    server = Server(args.model, work / f"serve-{name}-{repeat}.log", kv_for(name, store, redis_url, stats), 2048)
+    kv = kv_for(name, store, redis_url, stats)
+    tree = args.before_tree if name.endswith(BEFORE) else ROOT
+    server = Server(args.model, work / f"serve-{name}-{repeat}.log", kv, 2048, tree)
     out: dict[str, Any] = {"config": name, "repeat": repeat, "rows": {}}
     try:
         server.wait_ready()
@@ -239,10 +248,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle-s", type=float, default=1.0)
     parser.add_argument("--full", action="store_true", help="both datasets, concurrency 1, 4 and 16, 3 repeats")
     parser.add_argument("--multi-turn", action="store_true", help="also vLLM's multi-turn client")
+    parser.add_argument(
+        "--before-tree",
+        type=Path,
+        default=None,
+        help="a checkout of kvdi before a change: each kvdi configuration also runs as <name>@before with it",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     bad = [c for c in configs if c not in CONFIGS]
+    if args.before_tree is not None:  # each kvdi configuration next to itself before the change
+        configs = [x for c in configs for x in ((c, f"{c}{BEFORE}") if c in KVDI_CONFIGS else (c,))]
     if bad or args.repeats < 1 or args.prompts < 4:
         print(f"--configs {bad} / --repeats {args.repeats} / --prompts {args.prompts}: allowed {CONFIGS}, >= 1, >= 4")
         return 2
@@ -264,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         redis = RedisServer().start()
         try:
             for repeat in range(args.repeats):
-                order = configs[repeat % len(configs) :] + configs[: repeat % len(configs)]
+                # ABAB.. then BABA.., rotated every second repeat
+                shift = repeat // 2 % len(configs)
+                order = configs[shift:] + configs[:shift]
+                order = order if repeat % 2 == 0 else order[::-1]
                 for name in order:
                     results.append(serve_one(name, repeat, rows, args, work, redis.url))
             if args.multi_turn:
