@@ -152,7 +152,7 @@ class StatsFileWriter:
 
     def __init__(
         self, directory: str, engine_id: str, role: str, name: str, counters: Callable[[], dict[str, int | float]],
-        interval_s: float = 0.05,
+        interval_s: float = 0.25,
     ) -> None:  # fmt: skip
         self._args = (directory, engine_id, role, name)
         self._counters = counters
