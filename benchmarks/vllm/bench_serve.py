@@ -22,7 +22,13 @@ from that checkout. Each server runs a warm-up, then per (dataset, concurrency) 
 
 Prints, per row, TTFT and ITL median and p90 of each configuration as ratios to the do-nothing connector of the
 same repeat (median of the repeats, [min-max]), and the do-nothing connector against no connector; the 1-minute
-load average at every pass says how busy the machine was. ``--multi-turn`` adds vLLM's multi-turn client
+load average at every pass says how busy the machine was.
+
+Every server runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (``--reserved-cpus``): vLLM-CPU reserves one more core
+for "a connector's threads" whenever any connector is configured (``vllm/utils/ompmultiprocessing.py``); on a
+2-core machine that exceeds the cores, so it reserves none and binds OpenMP to both, and every connector,
+vLLM's own included, then runs beside spinning OpenMP threads while no connector does not. ``--reserved-cpus
+-1`` keeps vLLM's default to show that cost. ``--multi-turn`` adds vLLM's multi-turn client
 (:mod:`.bench_serve_multi_turn`).
 """
 
@@ -100,7 +106,8 @@ class Server:
     """One ``vllm serve`` process group on loopback (dev mode on, for ``/reset_prefix_cache``)."""
 
     def __init__(
-        self, model: Path, log: Path, kv: dict[str, Any] | None, max_len: int, tree: Path = ROOT
+        self, model: Path, log: Path, kv: dict[str, Any] | None, max_len: int, tree: Path = ROOT,
+        reserved_cpus: int | None = None,
     ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -114,6 +121,8 @@ class Server:
         if kv is not None:
             command += ["--kv-transfer-config", json.dumps(kv)]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+        if reserved_cpus is not None:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), str(ROOT), env.get("PYTHONPATH", "")) if p)
         with log.open("w") as out:
             self.proc = subprocess.Popen(
@@ -204,7 +213,8 @@ def serve_one(
     stats = work / f"stats-{name}-{repeat}"
     kv = kv_for(name, store, redis_url, stats)
     tree = args.before_tree if name.endswith(BEFORE) else ROOT
-    server = Server(args.model, work / f"serve-{name}-{repeat}.log", kv, 2048, tree)
+    reserved = None if args.reserved_cpus < 0 else args.reserved_cpus
+    server = Server(args.model, work / f"serve-{name}-{repeat}.log", kv, 2048, tree, reserved)
     out: dict[str, Any] = {"config": name, "repeat": repeat, "rows": {}}
     try:
         server.wait_ready()
@@ -247,6 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--settle-s", type=float, default=1.0)
     parser.add_argument("--full", action="store_true", help="both datasets, concurrency 1, 4 and 16, 3 repeats")
+    parser.add_argument(
+        "--reserved-cpus",
+        type=int,
+        default=1,
+        help="VLLM_CPU_NUM_OF_RESERVED_CPU of every server (-1: vLLM's default, which reserves one more core"
+        " when any connector is configured)",
+    )
     parser.add_argument("--multi-turn", action="store_true", help="also vLLM's multi-turn client")
     parser.add_argument(
         "--before-tree",
