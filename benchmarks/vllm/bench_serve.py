@@ -200,8 +200,8 @@ def run_client(argv: list[str]) -> dict[str, Any]:
 
 
 FIGURES = (
-    "median_ttft_ms", "p90_ttft_ms", "median_itl_ms", "p90_itl_ms", "median_tpot_ms", "p90_tpot_ms", "duration",
-    "completed", "total_output_tokens",
+    "median_ttft_ms", "p90_ttft_ms", "median_itl_ms", "p90_itl_ms", "median_tpot_ms", "p90_tpot_ms",
+    "median_e2el_ms", "p90_e2el_ms", "duration", "completed", "total_output_tokens",
 )  # fmt: skip
 
 

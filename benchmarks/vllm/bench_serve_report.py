@@ -21,21 +21,30 @@ COLUMNS = (
 )
 BASELINE = "noop"
 UNITS = {"duration": " s"}
+# Below this the do-nothing connector's streams arrived coalesced (vLLM's API server sent a request's tokens
+# together), and a ratio to it says nothing: such cells read "n/a".
+MIN_BASELINE_MS = 0.5
 
 
 def ratios(doc: dict[str, Any], key: str, phase: str, figure: str, config: str) -> list[float]:
-    """``config``'s figure over the baseline's, one per repeat where both ran this row and pass."""
+    """``config``'s figure over the baseline's, one per repeat where both ran this row and pass (and the
+    baseline's latency is above :data:`MIN_BASELINE_MS`)."""
     by_repeat: dict[int, dict[str, float]] = {}
     for result in doc["results"]:
         value = result.get("rows", {}).get(key, {}).get(phase, {}).get(figure)
         if value is not None:
             by_repeat.setdefault(result["repeat"], {})[result["config"]] = value
-    return [runs[config] / runs[BASELINE] for runs in by_repeat.values() if config in runs and runs.get(BASELINE)]
+    floor = 0.0 if figure == "duration" else MIN_BASELINE_MS
+    return [
+        runs[config] / runs[BASELINE]
+        for runs in by_repeat.values()
+        if config in runs and runs.get(BASELINE, 0.0) > floor
+    ]
 
 
 def cell(values: list[float]) -> str:
     if not values:
-        return "-"
+        return "n/a"
     median = statistics.median(values)
     return f"{median:.2f} [{min(values):.2f}-{max(values):.2f}]" if len(values) > 1 else f"{median:.2f}"
 
@@ -79,3 +88,16 @@ def table(doc: dict[str, Any]) -> str:
     for r in extra:
         lines.append(f"multi-turn {r['config']} r{r['repeat']}: {r['multi_turn']}")
     return "\n".join(lines)
+
+
+def main() -> None:
+    """Reprint the table of a saved run: ``python -m benchmarks.vllm.bench_serve_report RESULT.json``."""
+    import json
+    import sys
+    from pathlib import Path
+
+    print(table(json.loads(Path(sys.argv[1]).read_text())))
+
+
+if __name__ == "__main__":
+    main()
