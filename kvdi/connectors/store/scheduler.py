@@ -28,7 +28,7 @@ from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.keys import block_keys
 from kvdi.connectors.store.load_policy import ASYNC_LOAD_MIN_BYTES, AUTO_PREFETCH_LOOKUP_S, LoadPolicy
-from kvdi.connectors.store.plan import RequestPlan
+from kvdi.connectors.store.plan import RecentSaves, RequestPlan
 from kvdi.connectors.store.prefetch import ASK_AGAIN, PrefetchPlanner
 from kvdi.connectors.store.protocol import require_store
 
@@ -56,6 +56,7 @@ class StoreSchedulerConnector(SchedulerConnector):
         self._transfer = context.settings.transfer
         self._plans: dict[str, RequestPlan] = {}
         self._async_loads: dict[str, BlockTransfer] = {}
+        self._recent = RecentSaves()
         self.load_policy = LoadPolicy(self._transfer, self.store, self._block_bytes)  # sync, background, prefetch
         self.prefetch: PrefetchPlanner | None = None  # set by a host that relays the worker's reports
         self._logged: set[str] = set()  # lookup failures: a warning per reason a minute (log_once)
@@ -120,24 +121,19 @@ class StoreSchedulerConnector(SchedulerConnector):
         plan.load_start = plan.load_end = 0
         bs = self._block_size
         first = min(num_computed_tokens // bs, len(plan.keys))
-        try:
+        loadable = min(loadable_tokens(len(request.prompt_token_ids), bs) // bs, len(plan.keys))
+        if first >= loadable:
+            # vLLM holds every loadable block: no store round trip. The full block holding the last prompt token
+            # (computed anyway) is saved again only when this half did not plan its save lately.
+            plan.stored = self._recent.count_from(plan.keys, first)
+        elif plan.looked_up_at != first:
             # From vLLM's local hit onward: the engine holds the blocks before it, and the keys chain from
             # block 0, so a held key at ``first`` is the same prefix whether or not the store kept the earlier ones.
-            # Asked even when vLLM holds every loadable block: the answer also says whether the last full block
-            # (the one with the last token, computed anyway) is stored, so that it is not saved again.
-            plan.stored = self.store.count_prefix(plan.keys[first:]) if first < len(plan.keys) else 0
-        except Exception as exc:  # anything a store raises is a miss
-            self.stats.load_failures += 1
-            log_once(logger, self._logged, f"lookup:{type(exc).__name__}",
-                     "kv connector %r: store lookup failed, treating as a miss: %r", self.name, exc)  # fmt: skip
-            plan.stored = 0
-        if isinstance(plan.stored, bool) or not isinstance(plan.stored, int) or plan.stored < 0:
-            logger.warning("kv connector %r: count_prefix returned %r, treating as a miss", self.name, plan.stored)
-            self.stats.load_failures += 1
-            plan.stored = 0
-        plan.stored += first  # blocks before the local hit are never saved by this request (computed before it)
+            # Blocks before the local hit are never saved by this request (computed before it).
+            plan.stored = first + self._count_stored(plan.keys[first:])
+            plan.looked_up_at = first  # asked again while it waits for a step: this answer stands
         plan.saved = max(plan.saved, plan.stored)  # all full blocks: none is saved twice
-        stored = min(plan.stored, loadable_tokens(len(request.prompt_token_ids), bs) // bs)
+        stored = min(plan.stored, loadable)
         if not self.context.settings.is_consumer or stored * bs <= num_computed_tokens:
             return 0, False
         self.stats.lookup_hit_blocks += stored - first
@@ -145,8 +141,25 @@ class StoreSchedulerConnector(SchedulerConnector):
         plan.load_async = self.load_async(stored - first)
         return stored * bs - num_computed_tokens, plan.load_async
 
+    def _count_stored(self, keys: list[bytes]) -> int:
+        """Leading ``keys`` the store holds; anything odd (an exception, a bad reply) is a counted miss."""
+        try:
+            stored = self.store.count_prefix(keys)
+        except Exception as exc:  # anything a store raises is a miss
+            self.stats.load_failures += 1
+            log_once(logger, self._logged, f"lookup:{type(exc).__name__}",
+                     "kv connector %r: store lookup failed, treating as a miss: %r", self.name, exc)  # fmt: skip
+            return 0
+        if isinstance(stored, bool) or not isinstance(stored, int) or stored < 0:
+            logger.warning("kv connector %r: count_prefix returned %r, treating as a miss", self.name, stored)
+            self.stats.load_failures += 1
+            return 0
+        return min(stored, len(keys))
+
     def update_state_after_alloc(self, request: KVRequest, block_ids: Sequence[int], num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
+        if plan is not None:
+            plan.looked_up_at = -1  # scheduled: a lookup after a preemption asks the store again, once
         if plan is None or plan.load_end <= plan.load_start:
             return
         if num_external_tokens <= 0:
@@ -190,6 +203,7 @@ class StoreSchedulerConnector(SchedulerConnector):
                 save = plan.take_save(rid, sched.block_ids, sched.num_computed_tokens // bs, done)
                 if save is not None:
                     saves.append(save)
+                    self._recent.add(save.block_keys)
                     plan.held = plan.held or async_save
         for rid in output.finished_req_ids:
             self._plans.pop(rid, None)

@@ -61,7 +61,8 @@ from kvdi.integrations.vllm.config import (
 from kvdi.integrations.vllm.envelopes import KvdiConnectorMetadata, KvdiConnectorStats, KvdiWorkerMetadata
 from kvdi.integrations.vllm.fleet.counters import FleetCounters
 from kvdi.integrations.vllm.fleet.events import KvdiKVEvents, SchedulerFleet, WorkerFleet, events_enabled
-from kvdi.integrations.vllm.fleet.stats import AdapterStats, StatsReporter, check_engine_id, write_stats_file
+from kvdi.integrations.vllm.fleet.prom import FleetConnectorStats, step_stats
+from kvdi.integrations.vllm.fleet.stats import AdapterStats, StatsFileWriter, StatsReporter, check_engine_id
 from kvdi.integrations.vllm.groups import groups_from_vllm
 from kvdi.integrations.vllm.halves import open_hybrid, open_single
 from kvdi.integrations.vllm.layout import layout_from_vllm, rank_slice
@@ -125,6 +126,12 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
         self.counts = AdapterStats()
         self._reporter = StatsReporter(self.half.stats)
         self._counts_reporter = StatsReporter(self.counts)
+        self._stats_file: StatsFileWriter | None = None
+        if self._stats_dir:
+            role_name = role.name.lower()
+            self._stats_file = StatsFileWriter(
+                self._stats_dir, self._engine_id, role_name, self.half.name, self._counters
+            )
         events_on = events_enabled(vllm_config)
         self._scheduler_side: SchedulerSide | None = None
         self._worker_side: WorkerSide | None = None
@@ -276,20 +283,20 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
     # ---------------------------------------------------------------- both roles
 
     def get_kv_connector_stats(self) -> KvdiConnectorStats | None:
-        """kvdi's counters since the last call, keyed by the registered connector name; None when none moved."""
-        from kvdi.integrations.vllm.fleet.prom import step_stats
+        """kvdi's counters since the last call, keyed by the registered connector name; None when none moved.
 
+        vLLM asks every step on both roles: a step where no counter moved builds nothing but the gauges' check, and
+        the stats file (``kvdi_stats_dir``) is rewritten off the engine thread (:class:`.fleet.stats.StatsFileWriter`).
+        """
         delta, extra = self._reporter.delta(), self._counts_reporter.delta()
-        entry = self._fleet_counters.entry({**(delta or {}), **(extra or {})})
+        entry = self._fleet_counters.entry({**delta, **extra} if delta and extra else delta or extra)
         stats = step_stats(self.half.name, delta, extra, entry)
-        if stats is not None and self._stats_dir and (delta or extra):
-            self._write_stats()
+        if self._stats_file is not None and (delta or extra):
+            self._stats_file.stale()
         return stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
-        from kvdi.integrations.vllm.fleet.prom import FleetConnectorStats
-
         return FleetConnectorStats(data=dict(data or {}))
 
     @classmethod
@@ -299,19 +306,16 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
 
         return build_prom_metrics(vllm_config, metric_types, labelnames, labelvalues)
 
-    def _write_stats(self) -> None:
-        assert self._stats_dir is not None
-        role = self.role.name.lower()
-        counters = {**self._reporter.as_dict(), **self._counts_reporter.as_dict()}
-        write_stats_file(self._stats_dir, self._engine_id, role, self.half.name, counters)
+    def _counters(self) -> dict[str, int | float]:
+        return {**self._reporter.as_dict(), **self._counts_reporter.as_dict()}
 
     def shutdown(self) -> None:
         """Write final counters, shut kvdi's half down, release the shared container."""
         if self._closed:
             return
         self._closed = True
-        if self._stats_dir:
-            self._write_stats()
+        if self._stats_file is not None:
+            self._stats_file.close()
         try:
             self.half.shutdown()
         finally:

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvdi.connectors.base import LoadWaiter, WorkerConnector
 from kvdi.integrations.vllm.async_loads import WorkerLoads
@@ -57,14 +57,24 @@ class HeldSaves:
         return not self.best_effort
 
 
-def wait_for_loads(worker: WorkerConnector, loads: WorkerLoads) -> None:
-    """On an idle step (``loads.idle``), block up to ``loads.idle_wait_s`` until an asynchronous load of
-    ``worker`` (of each KV cache group's half, for a hybrid worker) finishes; at once when none is in
-    flight or the wait is off. The wait is on a condition variable: the loader thread has the GIL."""
-    if not loads.idle or loads.idle_wait_s <= 0:
-        return
+def load_waiters(worker: WorkerConnector) -> list[Callable[[float], bool]]:
+    """The ``wait_for_loads`` of ``worker`` (of each KV cache group's half, for a hybrid worker) that have one;
+    found once per worker (a protocol check walks the protocol's members: too slow for every step)."""
     halves = worker.halves if isinstance(worker, HybridWorker) else (worker,)
-    waits = [h.wait_for_loads for h in halves if isinstance(h, LoadWaiter)]
+    return [h.wait_for_loads for h in halves if isinstance(h, LoadWaiter)]
+
+
+def wait_for_loads(worker: WorkerConnector, loads: WorkerLoads) -> None:
+    """:func:`wait_on` the :func:`load_waiters` of ``worker``."""
+    wait_on(load_waiters(worker), loads)
+
+
+def wait_on(waits: list[Callable[[float], bool]], loads: WorkerLoads) -> None:
+    """On an idle step (``loads.idle``), block up to ``loads.idle_wait_s`` until an asynchronous load behind
+    ``waits`` finishes; at once when none is in flight or the wait is off. The wait is on a condition variable:
+    the loader thread has the GIL."""
+    if not loads.idle or loads.idle_wait_s <= 0 or not waits:
+        return
     start = time.monotonic()
     deadline = start + loads.idle_wait_s
     for wait in waits:
@@ -78,4 +88,4 @@ def wait_for_loads(worker: WorkerConnector, loads: WorkerLoads) -> None:
         loads.counts.idle_load_wait_seconds += waited
 
 
-__all__ = ["HeldSaves", "wait_for_loads"]
+__all__ = ["HeldSaves", "load_waiters", "wait_for_loads", "wait_on"]

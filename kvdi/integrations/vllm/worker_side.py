@@ -11,10 +11,11 @@ keeps a :class:`~.block_index.BlockIndex` in the scheduler's process current (``
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvdi.connectors.base import (
     AsyncLoadMetadata,
+    BlockTransfer,
     BlockTransferMetadata,
     PreemptionAware,
     PrefetchingWorker,
@@ -29,7 +30,7 @@ from kvdi.integrations.vllm.fleet.stats import AdapterStats
 from kvdi.integrations.vllm.hybrid import HybridWorker
 from kvdi.integrations.vllm.layout import kvdi_layer_view, ordered_layers
 from kvdi.integrations.vllm.parallel import RankSlice
-from kvdi.integrations.vllm.pending import wait_for_loads
+from kvdi.integrations.vllm.pending import load_waiters, wait_on
 from kvdi.layout import KVCacheSpec
 
 if TYPE_CHECKING:
@@ -68,6 +69,8 @@ class WorkerSide:
         self._layer_names: dict[str, str] = {}
         self._views: dict[str, torch.Tensor] = {}
         self._bridge: LayoutBridge | None = None
+        self._load_waiters = load_waiters(half)
+        self._async_kinds: dict[type, bool] = {}  # metadata type -> has async_loads (AsyncLoadMetadata)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map vLLM's layers to kvdi's ``layers.<i>`` and hand kvdi's worker half caches in kvdi's layout."""
@@ -106,7 +109,7 @@ class WorkerSide:
         if isinstance(inner, BlockTransferMetadata):
             self._step_meta = inner
             self._saves_due = bool(inner.saves)
-            for t in inner.async_loads if isinstance(inner, AsyncLoadMetadata) else ():  # end in a later step
+            for t in self._async_loads_of(inner):  # end in a later step
                 self._async.started(t.request_id, t.block_ids, t.block_keys)
             # Async loads start here and finish in a later step's start_load_kv: call it until reported.
             self._loads_due = bool(inner.loads) or bool(self._async.loading)
@@ -116,6 +119,15 @@ class WorkerSide:
         if isinstance(inner, BlockTransferMetadata) and self._shape.sliced:
             inner = self._shape.rekey(inner)  # this rank's slice of each block has its own key
         self.half.bind_connector_metadata(self._bridge.bind(inner) if self._bridge is not None else inner)
+
+    def _async_loads_of(self, inner: BlockTransferMetadata) -> tuple[BlockTransfer, ...]:
+        """``inner.async_loads`` when its type has them; the protocol check (slow: it walks the protocol's members)
+        runs once per metadata type, not once per step."""
+        kind = type(inner)
+        has = self._async_kinds.get(kind)
+        if has is None:
+            has = self._async_kinds[kind] = isinstance(inner, AsyncLoadMetadata)
+        return cast(AsyncLoadMetadata, inner).async_loads if has else ()
 
     def clear_connector_metadata(self) -> None:
         self.half.clear_connector_metadata()
@@ -168,7 +180,7 @@ class WorkerSide:
             self._stored_keys.extend(k for t in self._step_meta.saves for k in t.block_keys)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        wait_for_loads(self.half, self._async)  # an empty step: let the loader have the GIL a while
+        wait_on(self._load_waiters, self._async)  # an empty step: let the loader have the GIL a while
         sending, recving = self._async.reconcile(*self.half.get_finished(finished_req_ids))
         return sending or None, recving or None
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvdi.connectors.base import ConnectorContext, KVConnectorRole, KVRequest
+from kvdi.connectors.base import ConnectorContext, KVConnectorRole, KVRequest, ScheduledRequest, SchedulerOutput
 from kvdi.connectors.store import StoreSchedulerConnector
 from kvdi.connectors.store.keys import block_keys
+from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.layout import KVCacheSpec
 from kvdi.settings import KvdiSettings
 
@@ -81,3 +82,70 @@ def test_local_hit_covering_every_stored_block_offers_nothing_and_asks_only_beyo
 
     assert store.asked == []  # nothing beyond the hit to ask about: no store round trip
     assert half.stats.lookup_hit_blocks == 0
+
+
+ALIGNED = KVRequest("a", tuple(range(3, 19)), None)  # 16 tokens: 4 full blocks, 3 loadable (the last token computes)
+ALIGNED_KEYS = block_keys(ALIGNED.prompt_token_ids, LAYOUT)
+
+
+def test_local_hit_covering_every_loadable_block_costs_no_store_round_trip() -> None:
+    """vLLM holds the 3 loadable blocks: the store is not asked about the last full block (computed anyway)."""
+    store = CountingStore(ALIGNED_KEYS)
+    half = scheduler(store)
+
+    assert half.get_num_new_matched_tokens(ALIGNED, 12) == (0, False)
+
+    assert store.asked == []
+
+
+def test_last_full_block_saved_lately_is_not_saved_again_after_a_full_local_hit() -> None:
+    """A prompt this half planned to save, computed again over vLLM's local hit, plans no save of its last block."""
+    half = scheduler(CountingStore([]))
+    first = KVRequest("first", ALIGNED.prompt_token_ids, None)
+    half.get_num_new_matched_tokens(first, 0)
+    meta = half.build_connector_meta(SchedulerOutput(1, (ScheduledRequest(first, (0, 1, 2, 3), 0, 16),)))
+    assert isinstance(meta, StoreTransferMetadata)
+    assert [t.block_keys for t in meta.saves] == [tuple(ALIGNED_KEYS)]
+
+    half.get_num_new_matched_tokens(ALIGNED, 12)  # vLLM's own cache holds blocks 0-2
+    again = half.build_connector_meta(SchedulerOutput(2, (ScheduledRequest(ALIGNED, (0, 1, 2, 4), 12, 4),)))
+    assert isinstance(again, StoreTransferMetadata)
+
+    assert again.saves == ()
+
+
+def test_last_full_block_never_saved_here_is_saved_after_a_full_local_hit() -> None:
+    """Without a save of it planned lately, the last full block is saved (no store round trip to find out)."""
+    store = CountingStore([])
+    half = scheduler(store)
+    half.get_num_new_matched_tokens(ALIGNED, 12)
+    meta = half.build_connector_meta(SchedulerOutput(1, (ScheduledRequest(ALIGNED, (0, 1, 2, 4), 12, 4),)))
+    assert isinstance(meta, StoreTransferMetadata)
+
+    assert [t.block_keys for t in meta.saves] == [(ALIGNED_KEYS[3],)]
+    assert store.asked == []
+
+
+def test_waiting_request_asked_again_at_the_same_local_hit_is_looked_up_once() -> None:
+    """vLLM asks every step while a request waits for room: the store answers the first time only."""
+    store = CountingStore(KEYS)
+    half = scheduler(store)
+
+    answers = [half.get_num_new_matched_tokens(PROMPT, 8) for _ in range(3)]
+
+    assert answers == [(8, False)] * 3
+    assert store.asked == [KEYS[2:]]
+    assert half.stats.lookup_hit_blocks == 6  # each answer still counts as the hit it offers
+
+
+def test_request_looked_up_after_it_was_scheduled_asks_the_store_again() -> None:
+    """Once vLLM allocated it (scheduled), a later lookup (after a preemption) asks the store again, once."""
+    store = CountingStore(KEYS)
+    half = scheduler(store)
+    half.get_num_new_matched_tokens(PROMPT, 8)
+    half.update_state_after_alloc(PROMPT, [0, 1, 2, 3], 8)
+
+    half.get_num_new_matched_tokens(PROMPT, 8)
+    half.get_num_new_matched_tokens(PROMPT, 8)
+
+    assert store.asked == [KEYS[2:], KEYS[2:]]

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from kvdi.connectors.base import ConnectorStats
 from kvdi.errors import ConfigError
-from kvdi.integrations.vllm.fleet.stats import StatsReporter, check_engine_id, write_stats_file
+from kvdi.integrations.vllm.fleet.stats import StatsFileWriter, StatsReporter, check_engine_id, write_stats_file
 
 
 def test_delta_is_none_while_nothing_moves() -> None:
@@ -74,3 +76,45 @@ def test_engine_ids_that_are_not_plain_names_are_config_errors(tmp_path: Path, e
     with pytest.raises(ConfigError, match="engine_id"):
         write_stats_file(tmp_path, engine_id, "worker", "x", {})
     assert list(tmp_path.iterdir()) == []
+
+
+def _read_when(path: Path, check: object, timeout_s: float = 10.0) -> dict[str, object]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            data: dict[str, object] = json.loads(path.read_text())
+            if data.get("saved_blocks") == check:
+                return data
+        time.sleep(0.01)
+    raise AssertionError(f"{path} never showed saved_blocks={check}")
+
+
+def test_stats_file_writer_rewrites_the_file_off_the_calling_thread(tmp_path: Path) -> None:
+    """A step that marks the counters stale writes nothing itself; the writer thread publishes them soon after."""
+    counters = {"saved_blocks": 1}
+    writers: list[str] = []
+
+    def read() -> dict[str, int | float]:
+        writers.append(threading.current_thread().name)
+        return dict(counters)
+
+    writer = StatsFileWriter(str(tmp_path), "e1", "worker", "x", read, interval_s=0.01)
+    path = tmp_path / f"e1-worker-{os.getpid()}.json"
+    try:
+        writer.stale()
+        _read_when(path, 1)
+        counters["saved_blocks"] = 7
+        writer.stale()
+        _read_when(path, 7)
+    finally:
+        writer.close()
+    assert threading.current_thread().name not in writers[:-1]  # only close() writes on the caller's thread
+
+
+def test_stats_file_writer_close_writes_the_final_counters(tmp_path: Path) -> None:
+    """close() writes the counters as they are then, even when no step marked them stale."""
+    writer = StatsFileWriter(str(tmp_path), "e1", "scheduler", "x", lambda: {"saved_blocks": 3})
+
+    writer.close()
+
+    assert _read_when(tmp_path / f"e1-scheduler-{os.getpid()}.json", 3)["connector"] == "x"

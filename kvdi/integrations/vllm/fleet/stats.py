@@ -5,21 +5,31 @@ tuple per step and builds nothing when nothing changed, so an idle step costs on
 attribute fetch per counter and a tuple comparison.
 :func:`write_stats_file` publishes cumulative counters under ``kvdi_stats_dir`` the way
 kvdi's stores write objects: owner-only, random ``O_EXCL|O_NOFOLLOW`` temp names, an
-atomic rename, no symlink followed in the directory.
+atomic rename, no symlink followed in the directory. :class:`StatsFileWriter` does it off the engine
+thread: a step whose counters moved only marks the file stale; one thread, asleep on a condition until then,
+rewrites it at most every ``interval_s`` (so the file lags the counters by at most that), and a final write
+happens on :meth:`~StatsFileWriter.close` and at interpreter exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import secrets
+import threading
+import time
+from collections.abc import Callable
 from operator import attrgetter
 from pathlib import Path
 
 from kvdi.connectors.base import ConnectorStats
 from kvdi.errors import ConfigError
+
+logger = logging.getLogger(f"vllm.{__name__}")  # vLLM configures only its own logger tree
 
 _FILE_MODE = 0o600
 _DIR_MODE = 0o700
@@ -129,3 +139,71 @@ def write_stats_file(
         return path / target
     finally:
         os.close(dir_fd)
+
+
+class StatsFileWriter:
+    """Keeps one stats file (:func:`write_stats_file`) current without writing it on the engine thread.
+
+    :meth:`stale` (the engine thread, per step whose counters moved) sets a flag under a lock and wakes the
+    writer thread, started on first use; the thread sleeps on a condition while nothing is stale (no polling),
+    writes the ``counters()`` of that moment, then waits ``interval_s`` before it looks again, so a burst of
+    steps costs one write. :meth:`close` stops the thread and writes the final counters on the caller's thread.
+    """
+
+    def __init__(
+        self, directory: str, engine_id: str, role: str, name: str, counters: Callable[[], dict[str, int | float]],
+        interval_s: float = 0.25,
+    ) -> None:  # fmt: skip
+        self._args = (directory, engine_id, role, name)
+        self._counters = counters
+        self._interval_s = interval_s
+        self._cond = threading.Condition()
+        self._stale = self._closed = False
+        self._thread: threading.Thread | None = None
+        self._failed = False
+
+    def stale(self) -> None:
+        """The counters moved: the file is rewritten within ``interval_s`` (plus one write's time)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._stale = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvdi-stats-file", daemon=True)
+                self._thread.start()
+                atexit.register(self.close)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stale or self._closed):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                self._stale = False
+            self.write()
+            time.sleep(self._interval_s)  # coalesce the steps of the next interval into one write
+
+    def write(self) -> None:
+        """Write the counters now (an error is logged once; the engine never fails on its stats file)."""
+        try:
+            write_stats_file(*self._args, self._counters())
+        except (OSError, ConfigError) as exc:
+            if not self._failed:
+                self._failed = True
+                logger.warning("kvdi: stats file not written under %s: %s", self._args[0], exc)
+
+    def close(self) -> None:
+        """Stop the writer thread and write the final counters (once; later calls do nothing)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            thread, self._thread = self._thread, None
+            self._cond.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        self.write()
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.close)

@@ -1,0 +1,103 @@
+"""The human table of :mod:`.bench_serve`: every configuration's latencies as ratios to the do-nothing connector.
+
+A ratio pairs a configuration with the do-nothing connector (``noop``) of the same repeat; the table shows the
+median of those ratios over the repeats and their range ``[min-max]``, the do-nothing connector's own figures in
+ms, and the 1-minute load average seen at the passes (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+COLUMNS = (
+    ("median_ttft_ms", "TTFT p50"),
+    ("p90_ttft_ms", "TTFT p90"),
+    ("median_itl_ms", "ITL p50"),
+    ("p90_itl_ms", "ITL p90"),
+    ("median_tpot_ms", "TPOT p50"),
+    ("p90_tpot_ms", "TPOT p90"),
+    ("duration", "run"),
+)
+BASELINE = "noop"
+UNITS = {"duration": " s"}
+# Below this the do-nothing connector's streams arrived coalesced (vLLM's API server sent a request's tokens
+# together), and a ratio to it says nothing: such cells read "n/a".
+MIN_BASELINE_MS = 0.5
+
+
+def ratios(doc: dict[str, Any], key: str, phase: str, figure: str, config: str) -> list[float]:
+    """``config``'s figure over the baseline's, one per repeat where both ran this row and pass (and the
+    baseline's latency is above :data:`MIN_BASELINE_MS`)."""
+    by_repeat: dict[int, dict[str, float]] = {}
+    for result in doc["results"]:
+        value = result.get("rows", {}).get(key, {}).get(phase, {}).get(figure)
+        if value is not None:
+            by_repeat.setdefault(result["repeat"], {})[result["config"]] = value
+    floor = 0.0 if figure == "duration" else MIN_BASELINE_MS
+    return [
+        runs[config] / runs[BASELINE]
+        for runs in by_repeat.values()
+        if config in runs and runs.get(BASELINE, 0.0) > floor
+    ]
+
+
+def cell(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    median = statistics.median(values)
+    return f"{median:.2f} [{min(values):.2f}-{max(values):.2f}]" if len(values) > 1 else f"{median:.2f}"
+
+
+def baseline_ms(doc: dict[str, Any], key: str, phase: str, figure: str) -> str:
+    values = [
+        r["rows"][key][phase][figure]
+        for r in doc["results"]
+        if r["config"] == BASELINE and phase in r.get("rows", {}).get(key, {})
+    ]
+    return f"{statistics.median(values):.1f}" if values else "-"
+
+
+def table(doc: dict[str, Any]) -> str:
+    """Rows per (dataset/concurrency, pass): each configuration's ratios to ``noop``, median [min-max] of repeats."""
+    configs = list(dict.fromkeys(r["config"] for r in doc["results"] if "rows" in r))
+    keys = list(dict.fromkeys(k for r in doc["results"] for k in r.get("rows", {})))
+    loads = [p["load_avg_1m"] for r in doc["results"] for row in r.get("rows", {}).values() for p in row.values()]
+    lines = [
+        f"vllm serve + vLLM's bench serve client; {doc['cpus']} CPUs; {doc['minutes']} min; "
+        f"ratios to the do-nothing connector of the same repeat, median [min-max] over repeats",
+    ]
+    if loads:
+        lines.append(f"machine load (1-min load average at the passes): {min(loads):.1f}-{max(loads):.1f}")
+    for key in keys:
+        for phase in ("cold", "hit", "load"):
+            head = f"{key} {phase}"
+            lines.append("")
+            lines.append(f"{head:32s}" + "".join(f"{label:>20s}" for _, label in COLUMNS))
+            ms = "".join(f"{baseline_ms(doc, key, phase, f) + UNITS.get(f, ' ms'):>20s}" for f, _ in COLUMNS)
+            lines.append(f"{'  noop (absolute)':32s}{ms}")
+            for config in configs:
+                if config == BASELINE:
+                    continue
+                values = "".join(f"{cell(ratios(doc, key, phase, f, config)):>20s}" for f, _ in COLUMNS)
+                lines.append(f"{'  ' + config:32s}{values}")
+    moved = [f"{r['config']} r{r['repeat']}: {r['kvdi']}" for r in doc["results"] if r.get("kvdi")]
+    if moved:
+        lines += ["", "kvdi worker counters per server: " + "; ".join(moved)]
+    extra = [r for r in doc["results"] if "multi_turn" in r]
+    for r in extra:
+        lines.append(f"multi-turn {r['config']} r{r['repeat']}: {r['multi_turn']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Reprint the table of a saved run: ``python -m benchmarks.vllm.bench_serve_report RESULT.json``."""
+    import json
+    import sys
+    from pathlib import Path
+
+    print(table(json.loads(Path(sys.argv[1]).read_text())))
+
+
+if __name__ == "__main__":
+    main()
