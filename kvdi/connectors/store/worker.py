@@ -145,14 +145,8 @@ class StoreWorkerConnector(WorkerConnector):
         return self._fetcher if fetch else self._executor
 
     def _log_once(self, reason: str, message: str, *args: object) -> None:
-        log_once(
-            logger,
-            self._logged,
-            reason,
-            f"kv connector %r: {message} (at most once a minute per reason)",
-            self.name,
-            *args,
-        )
+        text = f"kv connector %r: {message} (at most once a minute per reason)"
+        log_once(logger, self._logged, reason, text, self.name, *args)
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         """Note the requests whose blocks the scheduler half holds for this half, by the rule it holds them by:
