@@ -52,8 +52,10 @@ def stored(tmp_path_factory: pytest.TempPathFactory, base_spec: dict[str, Any]) 
 
 def consumer(stored: dict[str, Any], name: str, base_spec: dict[str, Any], store: Path, **spec: Any) -> Any:
     stats = stored["work"] / f"stats-{name}"
-    kv = kv_config("shared_storage", stats_dir=stats, shared_storage__path=str(store), transfer__async_load="on")
-    kv.update(spec.pop("kv", {}))
+    kvdi = spec.pop("kvdi", {})  # more kvdi.<key> settings
+    kv = kv_config(
+        "shared_storage", stats_dir=stats, shared_storage__path=str(store), transfer__async_load="on", **kvdi
+    )
     run = {**base_spec, "kv": kv, "drain": True, **spec}
     return run_engine(stored["work"], name, run, env=IN_PROCESS), stats
 
@@ -95,11 +97,12 @@ def test_async_load_waits_for_remote_kv_and_a_corrupt_object_is_recomputed(
 def test_async_load_failure_under_fail_policy_fails_only_that_request(
     stored: dict[str, Any], base_spec: dict[str, Any], prompts: list[list[int]], baseline_tokens: list[list[int]]
 ) -> None:
-    """``kv_load_failure_policy="fail"``: the request whose load failed ends with an error, the others are
-    served with identical tokens, and the engine keeps serving: round 2 answers every prompt."""
+    """``kvdi.kv_load_failure_policy="fail"`` (kvdi's policy is the one vLLM applies): the request whose load
+    failed ends with an error, the others are served with identical tokens, and the engine keeps serving: round 2
+    answers every prompt."""
     store = corrupt_copy(stored, "store-fail", prompts[0])
 
-    result, stats = consumer(stored, "async-fail", base_spec, store, rounds=2, kv={"kv_load_failure_policy": "fail"})
+    result, stats = consumer(stored, "async-fail", base_spec, store, rounds=2, kvdi={"kv_load_failure_policy": "fail"})
 
     first, second = result["rounds"]
     assert first["finish_reasons"][0] == "error"

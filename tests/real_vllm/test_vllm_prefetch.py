@@ -132,17 +132,17 @@ def slow_store(tmp_path_factory: pytest.TempPathFactory, base_spec: dict[str, An
     return {"work": work, "store": store, "tokens": result["rounds"][0]["tokens"]}
 
 
-def _slow_kv(store: Path, stats: Path, load: str = "prefetch", **extra: Any) -> dict[str, Any]:
-    kv = kv_config(
+def _slow_kv(store: Path, stats: Path, load: str = "prefetch", **kvdi: Any) -> dict[str, Any]:
+    """The slow store's transfer config; ``kvdi`` become more ``kvdi.<key>`` settings (kvdi's policy decides)."""
+    return kv_config(
         "slow_reads",
         stats_dir=stats,
         kv_connector_module_path="slow_store",  # tests/real_vllm/slow_store.py, as a user plugs in a store
         shared_storage__path=str(store),
         transfer__async_load=load,
         transfer__prefetch_max_bytes=BOUND,
+        **kvdi,
     )
-    kv.update(extra)
-    return kv
 
 
 def _corrupt_run(
