@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,6 +16,19 @@ from tests.real_vllm.vllm_support import require_vllm
 require_vllm()
 
 
+@pytest.fixture
+def logging_restored() -> Iterator[None]:
+    """The ``kvdi`` and ``vllm`` loggers as they were: this test's handlers write to its own captured stream,
+    which later tests in this process must not reach."""
+    saved = [(log, list(log.handlers), log.level, log.propagate) for log in map(logging.getLogger, ("kvdi", "vllm"))]
+    yield
+    for log, handlers, level, propagate in saved:
+        log.handlers[:] = handlers
+        log.setLevel(level)
+        log.propagate = propagate
+
+
+@pytest.mark.usefixtures("logging_restored")
 def test_a_kvdi_warning_comes_out_in_vllms_format(capsys: pytest.CaptureFixture[str]) -> None:
     """kvdi's plugin registered, vLLM's logging configured after it (as vLLM does): a ``kvdi.*`` warning is one
     line of vLLM's format on vLLM's stream."""
