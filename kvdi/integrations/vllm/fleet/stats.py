@@ -5,23 +5,19 @@ tuple per step and builds nothing when nothing changed, so an idle step costs on
 attribute fetch per counter and a tuple comparison.
 :func:`write_stats_file` publishes cumulative counters under ``kvdi_stats_dir`` the way
 kvdi's stores write objects: owner-only, random ``O_EXCL|O_NOFOLLOW`` temp names, an
-atomic rename, no symlink followed in the directory. :class:`StatsFileWriter` does it off the engine
-thread: a step whose counters moved only marks the file stale; one thread, asleep on a condition until then,
-rewrites it at most every ``interval_s`` (so the file lags the counters by at most that), and a final write
-happens on :meth:`~StatsFileWriter.close` and at interpreter exit.
+atomic rename, no symlink followed in the directory. :class:`StatsFileWriter` rewrites it
+on each step whose counters moved, on the caller's thread, so the file is current when a process is killed
+without running its exit handlers (a writer thread lost the last counters under ``vllm serve``'s shutdown).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import json
 import logging
 import os
 import secrets
-import threading
-import time
 from collections.abc import Callable
 from operator import attrgetter
 from pathlib import Path
@@ -142,48 +138,21 @@ def write_stats_file(
 
 
 class StatsFileWriter:
-    """Keeps one stats file (:func:`write_stats_file`) current without writing it on the engine thread.
-
-    :meth:`stale` (the engine thread, per step whose counters moved) sets a flag under a lock and wakes the
-    writer thread, started on first use; the thread sleeps on a condition while nothing is stale (no polling),
-    writes the ``counters()`` of that moment, then waits ``interval_s`` before it looks again, so a burst of
-    steps costs one write. :meth:`close` stops the thread and writes the final counters on the caller's thread.
-    """
+    """Keeps one stats file (:func:`write_stats_file`) current: :meth:`stale` (a step whose counters moved)
+    rewrites it before it returns; :meth:`close` writes the final counters once."""
 
     def __init__(
-        self, directory: str, engine_id: str, role: str, name: str, counters: Callable[[], dict[str, int | float]],
-        interval_s: float = 0.25,
-    ) -> None:  # fmt: skip
+        self, directory: str, engine_id: str, role: str, name: str, counters: Callable[[], dict[str, int | float]]
+    ) -> None:
         self._args = (directory, engine_id, role, name)
         self._counters = counters
-        self._interval_s = interval_s
-        self._cond = threading.Condition()
-        self._stale = self._closed = False
-        self._thread: threading.Thread | None = None
+        self._closed = False
         self._failed = False
 
     def stale(self) -> None:
-        """The counters moved: the file is rewritten within ``interval_s`` (plus one write's time)."""
-        with self._cond:
-            if self._closed:
-                return
-            self._stale = True
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvdi-stats-file", daemon=True)
-                self._thread.start()
-                atexit.register(self.close)
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._stale or self._closed):
-                    self._cond.wait()
-                if self._closed:
-                    return
-                self._stale = False
+        """The counters moved: the file is rewritten now."""
+        if not self._closed:
             self.write()
-            time.sleep(self._interval_s)  # coalesce the steps of the next interval into one write
 
     def write(self) -> None:
         """Write the counters now (an error is logged once; the engine never fails on its stats file)."""
@@ -195,15 +164,7 @@ class StatsFileWriter:
                 logger.warning("kvdi: stats file not written under %s: %s", self._args[0], exc)
 
     def close(self) -> None:
-        """Stop the writer thread and write the final counters (once; later calls do nothing)."""
-        with self._cond:
-            if self._closed:
-                return
+        """Write the final counters (once; later calls do nothing)."""
+        if not self._closed:
             self._closed = True
-            thread, self._thread = self._thread, None
-            self._cond.notify()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)
-        self.write()
-        with contextlib.suppress(Exception):
-            atexit.unregister(self.close)
+            self.write()
