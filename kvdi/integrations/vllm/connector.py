@@ -286,7 +286,7 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
         """kvdi's counters since the last call, keyed by the registered connector name; None when none moved.
 
         vLLM asks every step on both roles: a step where no counter moved builds nothing but the gauges' check, and
-        the stats file (``kvdi_stats_dir``) is rewritten off the engine thread (:class:`.fleet.stats.StatsFileWriter`).
+        the stats file (``kvdi_stats_dir``) is rewritten on this step (:class:`.fleet.stats.StatsFileWriter`).
         """
         delta, extra = self._reporter.delta(), self._counts_reporter.delta()
         entry = self._fleet_counters.entry({**delta, **extra} if delta and extra else delta or extra)
@@ -310,16 +310,18 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
         return {**self._reporter.as_dict(), **self._counts_reporter.as_dict()}
 
     def shutdown(self) -> None:
-        """Write final counters, shut kvdi's half down, release the shared container."""
+        """Shut kvdi's half down (queued saves drained), then write the final counters, release the shared container."""
         if self._closed:
             return
         self._closed = True
-        if self._stats_file is not None:
-            self._stats_file.close()
         try:
-            self.half.shutdown()
+            self.half.shutdown()  # drains queued saves: their counters move here
         finally:
-            SHARED.release(self._engine_id)
+            try:
+                if self._stats_file is not None:
+                    self._stats_file.close()
+            finally:
+                SHARED.release(self._engine_id)
 
 
 __all__ = ["KvdiConnector"]
