@@ -146,6 +146,29 @@ def test_a_fresh_indexer_credits_the_pool_with_blocks_only_the_first_engine_comp
     assert set(fresh.topics) == {"kv@pool:fleet@m", "kv@pod-2@m"}
 
 
+def test_a_block_found_corrupt_on_load_is_withdrawn_from_the_pool(tmp_path: Path, indexers: list[Indexer]) -> None:
+    """Engine 2's report of its load is withdrawn for a block the load finds corrupt: the pool keeps the first block
+    only (a router's prefix stops at the corrupt one)."""
+    from kvdi.connectors.store.keys import block_keys
+    from kvdi.integrations.vllm.requests import kv_request
+
+    indexer = Indexer()
+    indexers.append(indexer)
+    store = FileBlockStore(tmp_path / "kv")
+    one = FleetEngine(store, indexer.endpoint, "pod-1", POOL)
+    two = FleetEngine(FileBlockStore(tmp_path / "kv"), indexer.endpoint, "pod-2", POOL)
+    try:
+        indexer.wait_connected(4)
+        one.serve(vllm_request("a", PROMPT))
+        path = store.path_for(block_keys(PROMPT, LAYOUT, kv_request(vllm_request("x", PROMPT)).cache_salt)[1])
+        path.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 1]))
+        two.serve(vllm_request("b", PROMPT))
+    finally:
+        one.close()
+        two.close()
+    indexer.wait_for(lambda: indexer.credited(PROMPT, BS) == {POOL: 1})
+
+
 def test_without_the_option_a_fresh_indexer_learns_nothing_from_the_second_engine(
     tmp_path: Path, indexers: list[Indexer]
 ) -> None:
