@@ -46,7 +46,8 @@ MULTI_CONNECTOR = "MultiConnector"
 ADAPTER_MODULES = (None, "kvdi.integrations.vllm", "kvdi.integrations.vllm.connector")
 EXTRA_PREFIX = "kvdi."
 STATS_DIR_KEY = "kvdi_stats_dir"
-OWN_KEYS = ("kvdi", STATS_DIR_KEY)  # extra-config keys of kvdi's besides the kvdi.-prefixed ones
+EVENTS_IDENTITY_KEY = "kvdi_events_identity"  # read by the vLLM adapter (kvdi.integrations.vllm.config)
+OWN_KEYS = ("kvdi", STATS_DIR_KEY, EVENTS_IDENTITY_KEY)  # extra-config keys of kvdi's besides the kvdi.-prefixed ones
 VLLM_FIELDS = ("kv_role", "engine_id")  # settings taken from vLLM's own transfer-config fields
 _HEAD = re.compile(r"[^a-z0-9]")
 
@@ -73,16 +74,17 @@ def _distance(a: str, b: str) -> int:
 def kvdi_lookalike(key: str) -> str | None:
     """The kvdi key ``key`` was probably meant to be, when it looks like kvdi's but is not read by kvdi.
 
-    A key looks like kvdi's when it is within two edits of ``kvdi_stats_dir``, or when its head (up
-    to the first character that is not a letter or digit) is within one edit of ``kvdi``
+    A key looks like kvdi's when it is within two edits of ``kvdi_stats_dir`` or ``kvdi_events_identity``, or
+    when its head (up to the first character that is not a letter or digit) is within one edit of ``kvdi``
     (``kvd.shared_storage.path``, ``KVDI.redis.url``, ``kvdi_redis.url``). Returns None for
     kvdi's own keys and for every other connector's.
     """
     if key in OWN_KEYS or key.startswith(EXTRA_PREFIX) or len(key) > 200:
         return None
     lower = key.lower()
-    if _distance(lower, STATS_DIR_KEY) <= 2:
-        return STATS_DIR_KEY
+    for own in OWN_KEYS[1:]:
+        if _distance(lower, own) <= 2:
+            return own
     head = _HEAD.split(lower, maxsplit=1)[0]
     if len(head) >= 3 and _distance(head, "kvdi") <= 1:
         rest = key[len(head) :]
@@ -198,7 +200,8 @@ def extra_config_overrides(extra: Mapping[str, Any], where: str = "") -> dict[st
         if meant is not None:
             raise ConfigError(
                 f"{at}kv_connector_extra_config key {str(key)[:80]!r} is not read by kvdi (did you mean {meant!r}?); "
-                f"kvdi reads {EXTRA_PREFIX!r}-prefixed keys, a 'kvdi' object and {STATS_DIR_KEY!r}"
+                f"kvdi reads {EXTRA_PREFIX!r}-prefixed keys, a 'kvdi' object, {STATS_DIR_KEY!r} and "
+                f"{EVENTS_IDENTITY_KEY!r}"
             )
     items: list[tuple[str, Any]] = []
     nested = extra.get("kvdi")

@@ -2,7 +2,9 @@
 
 - :func:`settings_overrides` / :func:`kvdi_settings_kwargs`: kvdi settings from the
   ``kvdi.``-prefixed keys of vLLM's ``kv_connector_extra_config`` plus vLLM's role and engine id;
-- :func:`needs_block_index`: whether the scheduler half needs a :class:`BlockIndex`.
+- :func:`needs_block_index`: whether the scheduler half needs a :class:`BlockIndex`;
+- :func:`events_identity` / :func:`shared_topic`: the shared identity kvdi's events for shared tiers are
+  published under (``kvdi_events_identity``, see docs/events.md).
 
 vLLM's config arrives as an attribute bag (typed ``Any``); this module never imports vLLM.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,9 +22,17 @@ from kvdi.integrations.vllm.weights import weights_identity
 from kvdi.registry import ConnectorSpec
 from kvdi.settings import load_settings
 from kvdi.settings.loading import as_written
-from kvdi.settings.vllm_compat import STATS_DIR_KEY, extra_config_overrides, kvdi_child, transfer_key
+from kvdi.settings.vllm_compat import (
+    EVENTS_IDENTITY_KEY,
+    STATS_DIR_KEY,
+    extra_config_overrides,
+    kvdi_child,
+    transfer_key,
+)
 
 POLICY = "kv_load_failure_policy"
+_IDENTITY = re.compile(r"(pool|node):[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+IDENTITY_OFF = ("", "off")
 logger = logging.getLogger(f"vllm.{__name__}")  # vLLM formats only its own logger tree
 
 # --------------------------------------------------------------------------- config
@@ -126,6 +137,35 @@ def renamed_for_transfer_config(exc: KvdiError, vllm_config: Any) -> KvdiError:
     return exc
 
 
+def events_identity(vllm_config: Any) -> str | None:
+    """The shared identity of kvdi's events for shared tiers (``kvdi_events_identity``: ``pool:<name>`` or
+    ``node:<name>``), None when off (the default: every event under this engine's own identity, as before)."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = (getattr(transfer, "kv_connector_extra_config", None) or {}) if transfer is not None else {}
+    return parse_events_identity(extra.get(EVENTS_IDENTITY_KEY))
+
+
+def parse_events_identity(value: object) -> str | None:
+    """``value`` of ``kvdi_events_identity`` checked: the identity, or None for off (unset, ``""``, ``"off"``)."""
+    if value is None or value in IDENTITY_OFF:
+        return None
+    if not isinstance(value, str) or not _IDENTITY.fullmatch(value):
+        raise ConfigError(
+            f"kv_connector_extra_config key {EVENTS_IDENTITY_KEY!r} is {str(value)[:80]!r}: allowed 'pool:<name>' or "
+            "'node:<name>' (<name>: letters, digits, '.', '_', '-'), or 'off' (the default)"
+        )
+    return value
+
+
+def shared_topic(vllm_topic: str, identity: str, model: str) -> str:
+    """The topic of kvdi's shared-tier events: vLLM's ``kv@<pod>@<model>`` (llm-d's topic) with ``identity`` in
+    the pod's place, or ``kv@<identity>@<model>`` when vLLM's topic has another shape (vLLM's default is ``""``)."""
+    parts = vllm_topic.split("@")
+    if len(parts) == 3 and parts[2]:
+        return f"{parts[0]}@{identity}@{parts[2]}"
+    return f"kv@{identity}@{model}"
+
+
 def load_failure_outcome(raw: str) -> str:
     """What a ``vllm serve`` given ``--kv-transfer-config raw`` does with a bad or missing stored object: one line
     for ``kvdi check --vllm-config`` (the JSON was validated before)."""
@@ -149,14 +189,18 @@ def load_failure_outcome(raw: str) -> str:
 
 __all__ = [
     "STATS_DIR_KEY",
+    "EVENTS_IDENTITY_KEY",
     "adopt_load_failure_policy",
+    "events_identity",
     "kvdi_load_failure_policy",
     "kvdi_settings_kwargs",
     "load_failure_outcome",
     "model_identity",
     "needs_block_index",
+    "parse_events_identity",
     "renamed_for_transfer_config",
     "settings_overrides",
+    "shared_topic",
     "worker_elsewhere",
     "written_kwargs",
 ]

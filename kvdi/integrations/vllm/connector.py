@@ -144,7 +144,7 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
             self._fleet_counters = worker_fleet.counters
         else:
             sched = cast(SchedulerConnector, self.half)
-            fleet = SchedulerFleet(sched, self.layout, shape, tracker, events_on, kv_cache_config)
+            fleet = SchedulerFleet(sched, self.layout, shape, tracker, events_on, kv_cache_config, vllm_config)
             prefetcher = start_prefetch(sched, prefetch_unavailable(len(self.groups), shape, index_mode))
             self._scheduler_side = SchedulerSide(
                 sched, tracker, fleet, self._held_saves, self.counts, index, prefetcher

@@ -31,6 +31,12 @@ group, as vLLM's own offloading tier fills them.
 (shared_storage, Redis): any engine attached to the store can load the block, so a router
 should not prefer this engine for it the way it prefers the engine whose GPU holds a block.
 
+**Shared identity** (``kvdi_events_identity``: ``pool:<name>`` or ``node:<name>``; off by
+default): kvdi's events for ``REMOTE`` tiers go out on their own topic ``kv@<identity>@<model>``
+(:mod:`.shared_tier`) instead of with this engine's, and a load from a shared tier is reported
+as a ``BlockStored`` there too, with its tokens: an indexer that restarted, or that only sees
+engines that never computed the block, still keys it. Local tiers keep this engine's identity.
+
 **reset_cache**: this engine stops being offered anything stored before the reset, and
 nothing is deleted: its keys are salted with the number of resets from then on (others'
 blocks stay others'; engines that reset together, as after one weight update, share again).
@@ -54,12 +60,7 @@ from vllm.distributed.kv_events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
-from vllm.v1.core.kv_cache_utils import (
-    BlockHash,
-    generate_block_hash_extra_keys,
-    maybe_convert_block_hash,
-    to_event_extra_keys,
-)
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvdi.connectors.base import (
@@ -76,29 +77,22 @@ from kvdi.connectors.store.keys import block_keys
 from kvdi.connectors.store.protocol import StoreCapabilities, leaf_stores
 from kvdi.integrations.vllm.fleet.counters import FleetCounters
 from kvdi.integrations.vllm.fleet.ledger import BlockFacts, SchedulerLedger, WorkerLedger, drain, sink
+from kvdi.integrations.vllm.fleet.shared_tier import (
+    OWNERSHIP,
+    block_facts,
+    lookahead_tokens,
+    shared_tier_events,
+    spec_kind,
+    stored_event,
+)
 from kvdi.integrations.vllm.fleet.store_metrics import StoreCounters
 from kvdi.integrations.vllm.parallel import RankSlice
 from kvdi.integrations.vllm.requests import RequestTracker
 from kvdi.layout import KVCacheSpec
 
 _TRANSPORT_SIZE = -1  # block_size of worker-to-scheduler events: a kvdi key, not yet an event for routers
-OWNERSHIP = "kvdi"
-"""``ownership`` of every event kvdi publishes (vLLM's field naming the tier that generated an event)."""
 MAX_ANNOUNCED = 1 << 20
 """Blocks whose announcement a scheduler remembers for ``reset_cache`` (the oldest are forgotten past it)."""
-
-
-def spec_kind(kv_cache_config: Any) -> tuple[str | None, int | None]:
-    """vLLM's ``kv_cache_spec_kind`` and sliding window of KV cache group 0 (the group kvdi's events name)."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()  # vLLM's config
-    if not groups:
-        return None, None
-    try:
-        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
-    except ImportError:  # a vLLM before spec kinds: its events carry none either
-        return None, None
-    spec = groups[0].kv_cache_spec
-    return str(get_kv_cache_spec_kind(spec).value), get_kv_cache_spec_sliding_window(spec)
 
 
 def tier_of(store: object) -> tuple[str, str, str]:
@@ -153,9 +147,13 @@ class SchedulerFleet:
         tracker: RequestTracker,
         events_on: bool,
         kv_cache_config: Any = None,
+        vllm_config: Any = None,
     ) -> None:
         self.half, self.layout, self.shape, self.tracker, self.events_on = half, layout, shape, tracker, events_on
         self.kind = spec_kind(kv_cache_config)
+        self.shared = shared_tier_events(vllm_config) if events_on else None  # kvdi_events_identity
+        self._lookahead = lookahead_tokens(vllm_config)
+        self._shared_out: list[KVCacheEvent] = []
         self._announced: OrderedDict[Any, tuple[str, str | None]] = OrderedDict()  # hash -> (medium, locality)
         self.counters = FleetCounters("scheduler", f"{shape.tp_rank}-{shape.pp_rank}", half)
         self._out: list[KVCacheEvent] = []
@@ -166,7 +164,9 @@ class SchedulerFleet:
         self._ledger = SchedulerLedger(shape.tp_size * shape.pp_size)
         # The stores behind the half, by kind of tier (hit sources), found once.
         store = half.store if isinstance(half, StoreHalf) else None
-        self._hit_tiers = [(leaf, tier_of(leaf)[0]) for leaf in (leaf_stores(store) if store is not None else [])]
+        leaves = leaf_stores(store) if store is not None else []
+        self._hit_tiers = [(leaf, tier_of(leaf)[0]) for leaf in leaves]
+        self._remote = [leaf for leaf in leaves if tier_of(leaf)[2] == "REMOTE"]
         self._hit_source = half.hit_source if isinstance(half, DeclaresHitSource) else None
 
     def request(self, request: Any) -> KVRequest:
@@ -189,39 +189,48 @@ class SchedulerFleet:
 
     def planned(self, inner: object, finished: Any) -> None:
         """Capture vLLM's facts of this step's planned saves; forget requests that finished."""
-        if self.events_on and isinstance(inner, BlockTransferMetadata) and inner.saves:
+        if self.events_on and isinstance(inner, BlockTransferMetadata):
             for transfer in inner.saves:
-                self._capture(transfer.request_id, transfer.block_keys)
+                for key, facts in self._facts(transfer.request_id, transfer.block_keys):
+                    self._ledger.planned(key, facts)
+            for transfer in inner.loads if self.shared is not None else ():
+                self._reused(transfer.request_id, transfer.block_keys)
         for rid in finished or ():
             rid = str(rid)
             self._vllm_requests.pop(rid, None)
             self._salted.pop(rid, None)
             self._lookups.pop(rid, None)
 
-    def _capture(self, request_id: str, keys: tuple[bytes, ...]) -> None:
+    def _facts(self, request_id: str, keys: tuple[bytes, ...]) -> list[tuple[bytes, BlockFacts]]:
+        """vLLM's facts of each of ``keys`` (blocks of the live request ``request_id``), in order."""
         request = self._vllm_requests.get(request_id)
         req = self._salted.get(request_id)
         if request is None:
-            return
-        tokens = list(request.all_token_ids)
+            return []
         salt = req.cache_salt if req is not None else _kv_salt(request)
-        index = {k: i for i, k in enumerate(block_keys(tokens[: len(request.prompt_token_ids)], self.layout, salt))}
-        hashes, bs = request.block_hashes, self.layout.block_size
-        lora = getattr(request, "lora_request", None)
-        for key in keys:
-            i = index.get(key)
-            if i is None or i >= len(hashes):
+        prompt_keys = block_keys(request.prompt_token_ids, self.layout, salt)
+        return block_facts(request, keys, prompt_keys, self.layout.block_size, self._lookahead)
+
+    def _reused(self, request_id: str, keys: tuple[bytes, ...]) -> None:
+        """Report the blocks a load takes from a shared tier as stored there, under the shared identity."""
+        held = self._remote_held(keys)
+        for key, facts in self._facts(request_id, keys[:held]):
+            self._ledger.announce(key, MEDIUM_STORAGE, facts.block_hash)
+            self._shared_out.append(stored_event(facts, MEDIUM_STORAGE, "REMOTE", self.layout.block_size, self.kind))
+
+    def _remote_held(self, keys: tuple[bytes, ...]) -> int:
+        """How many of ``keys`` (from the first) a shared tier holds: all with one shared store, else asked."""
+        if not self._remote:
+            return 0
+        if len(self._hit_tiers) == 1:
+            return len(keys)
+        held = 0
+        for leaf in self._remote:
+            try:
+                held = max(held, int(leaf.count_prefix(list(keys))))
+            except Exception:
                 continue
-            extra, _ = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, 0)
-            facts = BlockFacts(
-                hashes[i],
-                hashes[i - 1] if i else None,
-                tuple(tokens[i * bs : (i + 1) * bs]),
-                getattr(lora, "lora_name", None),
-                getattr(lora, "adapter_id", None),
-                to_event_extra_keys([extra]),
-            )
-            self._ledger.planned(key, facts)
+        return held
 
     def worker_events(self, connector_output: Any) -> None:
         """Turn the ranks' reports into events for routers (a block is stored once every rank's slice is)."""
@@ -234,16 +243,28 @@ class SchedulerFleet:
                 continue
             if isinstance(event, BlockStored):
                 facts = self._ledger.landed(key, str(event.medium), event.locality)
-                if facts is not None:
-                    stored = _stored(facts, event, self.layout.block_size, self.kind)
+                if facts is None:
+                    continue
+                stored = stored_event(facts, event.medium, event.locality, self.layout.block_size, self.kind)
+                if self._shared_tier(event.locality):
+                    self._shared_out.append(stored)  # not withdrawn by this engine's reset_cache: others load it
+                else:
                     self._announce(stored.block_hashes[0], str(event.medium), event.locality)
                     self._out.append(stored)
             elif isinstance(event, BlockRemoved):
                 block_hash = self._ledger.removed(key, str(event.medium))
                 if block_hash is not None:
                     ext = maybe_convert_block_hash(BlockHash(block_hash))
-                    self._announced.pop(ext, None)
-                    self._out.append(BlockRemoved([ext], event.medium, 0, event.locality, ownership=OWNERSHIP))
+                    removed = BlockRemoved([ext], event.medium, 0, event.locality, ownership=OWNERSHIP)
+                    if self._shared_tier(event.locality):
+                        self._shared_out.append(removed)
+                    else:
+                        self._announced.pop(ext, None)
+                        self._out.append(removed)
+
+    def _shared_tier(self, locality: str | None) -> bool:
+        """Whether an event of a tier at ``locality`` goes out under the shared identity."""
+        return self.shared is not None and locality == "REMOTE"
 
     def _announce(self, block_hash: Any, medium: str, locality: str | None) -> None:
         self._announced[block_hash] = (medium, locality)
@@ -252,9 +273,19 @@ class SchedulerFleet:
             self._announced.popitem(last=False)
 
     def take_events(self) -> list[KVCacheEvent]:
-        """vLLM's hook: kvdi's events since the last call (published with vLLM's own)."""
+        """vLLM's hook: kvdi's events since the last call (published with vLLM's own); those for shared tiers go to
+        the shared identity's publisher instead when ``kvdi_events_identity`` is set."""
+        if self.shared is not None and self._shared_out:
+            shared, self._shared_out = self._shared_out, []
+            self.shared.publish(shared)
         out, self._out = self._out, []
         return out
+
+    def close(self) -> None:
+        """Flush and close the shared identity's publisher, if any."""
+        if self.shared is not None:
+            self.take_events()
+            self.shared.close()
 
     def reset_cache(self) -> bool:
         """vLLM's hook (``reset_prefix_cache(reset_connector=True)``): stop offering what was stored before it."""
@@ -350,24 +381,6 @@ def _kv_salt(request: Any) -> str | None:
 
 def _transport_stored(key: bytes, medium: str, locality: str) -> BlockStored:
     return BlockStored([key], None, [], _TRANSPORT_SIZE, None, medium, None, locality=locality)
-
-
-def _stored(facts: BlockFacts, event: BlockStored, block_size: int, kind: tuple[str | None, int | None]) -> BlockStored:
-    return BlockStored(
-        block_hashes=[maybe_convert_block_hash(BlockHash(facts.block_hash))],
-        parent_block_hash=None if facts.parent_hash is None else maybe_convert_block_hash(BlockHash(facts.parent_hash)),
-        token_ids=list(facts.token_ids),
-        block_size=block_size,
-        lora_id=facts.lora_id,
-        medium=event.medium,
-        lora_name=facts.lora_name,
-        extra_keys=facts.extra_keys,
-        group_idx=0,
-        kv_cache_spec_kind=kind[0],
-        kv_cache_spec_sliding_window=kind[1],
-        locality=event.locality,
-        ownership=OWNERSHIP,
-    )
 
 
 __all__ = ["OWNERSHIP", "KvdiKVEvents", "SchedulerFleet", "WorkerFleet", "events_enabled", "spec_kind", "tier_of"]

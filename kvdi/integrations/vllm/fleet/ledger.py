@@ -40,6 +40,7 @@ class BlockFacts:
     lora_name: str | None
     lora_id: int | None
     extra_keys: Any = None  # vLLM's per-block extra keys, as vLLM publishes them
+    lookahead: tuple[int, ...] | None = None  # tokens after the block its hash covers (vLLM 0.33), None for none
 
 
 def sink() -> deque[bytes]:
@@ -119,6 +120,13 @@ class SchedulerLedger:
             while len(self._announced) > MAX_TRACKED:
                 self._announced.popitem(last=False)
         return facts
+
+    def announce(self, key: bytes, medium: str, block_hash: bytes) -> None:
+        """A block announced without a save of this engine's (a load's report for a shared tier): its removal is
+        announced like a stored block's."""
+        self._announced[(key, medium)] = block_hash
+        while len(self._announced) > MAX_TRACKED:
+            self._announced.popitem(last=False)
 
     def removed(self, key: bytes, medium: str) -> bytes | None:
         """vLLM's hash of an announced block that went away on some rank (once), else None."""
