@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -172,3 +174,40 @@ def test_a_request_is_reported_sent_only_after_its_last_save_even_when_asked_bef
         assert (saved_when_sent, worker.worker_half.stats.saved_blocks) == (2, 2)
     finally:
         worker.shutdown()
+
+
+def test_vllm_offloading_dashboards_see_kvdi_tiers(tmp_path: Path, tiny_model: Path) -> None:
+    """The series of vLLM's own offloading connector carry kvdi's counters (one worker's real steps, observed as
+    ``vllm serve`` does, on a private registry); a name another connector registered first stays its own."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvdi.integrations.vllm.fleet.prom import KvdiPromMetrics
+
+    config = vllm_config(tiny_model, "float32", 1)
+    source = Engine(config, tmp_path / "kv", "dash", "BLHNC", seed=3)
+    try:
+        source.step(saves=[[1, 2, 3]])
+        source.load([[5, 6, 7]])
+        stats = source.connector.get_kv_connector_stats()
+    finally:
+        source.close()
+    assert stats is not None
+    registry = CollectorRegistry()
+    taken = Counter("vllm:kv_offload_load_bytes", "vLLM's OffloadingConnector's", ["model_name"], registry=registry)
+    kinds: dict[type, Any] = {k: partial(k, registry=registry) for k in (Counter, Gauge, Histogram)}
+    metrics = KvdiPromMetrics(config, kinds, ["model_name", "engine"], {0: ["m", "0"]})
+    metrics.observe(stats.data)
+    engine = {"model_name": "m", "engine": "0"}
+    kvdi = {**engine, "connector": "shared_storage", "role": "worker"}
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {**engine, **labels})
+
+    saved, loaded = value("vllm:kvdi_saved_bytes_total", **kvdi), value("vllm:kvdi_loaded_bytes_total", **kvdi)
+    assert saved and loaded and saved == loaded  # three blocks each way
+    assert value("vllm:kv_offload_config_info", tier="0:disk", connector="shared_storage", store="FileBlockStore") == 1
+    assert value("vllm:kv_offload_store_bytes_total") == saved
+    assert value("vllm:kv_offload_tiering_write_bytes_total", tier="0:disk") == saved
+    assert value("vllm:kv_offload_tiering_read_bytes_total", tier="0:disk") == loaded
+    assert value("vllm:kv_offload_load_time_total") == value("vllm:kvdi_load_seconds_sum", **kvdi)
+    assert value("vllm:kv_offload_load_bytes_total") is None and taken.labels("m")._value.get() == 0
