@@ -144,6 +144,11 @@ def test_events_metrics_hit_sources_and_reset(fleet: Fleet, prompts: list[list[i
     assert series(metrics, "vllm:prompt_tokens_cached_by_source_total", source="disk") == hits
     assert series(metrics, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified") == 0
     assert series(metrics, "vllm:kvdi_loaded_blocks_total", role="worker", connector="shared_storage") == a_blocks
+    # ... and a dashboard built for vLLM's own offloading connector sees kvdi's disk tier (vLLM 0.33's series names)
+    loaded = series(metrics, "vllm:kvdi_loaded_bytes_total", role="worker")
+    assert series(metrics, "vllm:kv_offload_config_info", tier="0:disk", connector="shared_storage") == 1
+    assert series(metrics, "vllm:kv_offload_load_bytes_total") == loaded > 0
+    assert series(metrics, "vllm:kv_offload_tiering_read_bytes_total", tier="0:disk") == loaded
 
     # 3. B pushes the store past its cap: A's blocks are evicted and announced removed.
     fleet.complete(b)

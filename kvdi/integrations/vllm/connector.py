@@ -25,6 +25,13 @@ The connector is thin: it builds the role's side, :class:`~.scheduler_side.Sched
 :class:`~.worker_side.WorkerSide`, each with its collaborators (kvdi's half, the fleet side of :mod:`.fleet`), and
 forwards vLLM's calls to it.
 
+vLLM 0.33's sleep mode (:meth:`KvdiConnector.supports_sleep_mode`, ``unregister_kv_caches`` /
+``restore_kv_caches``): kvdi supports it; before the KV cache's memory is released every queued
+transfer of kvdi's half ends, and kvdi's stores keep what they hold. vLLM resets the connector
+on every sleep of level 1 or more (``reset_prefix_cache(reset_connector=True)``), so the engine
+is offered nothing stored before it (see ``docs/vllm-0.33.md``). The same code runs on 0.32,
+which never calls these hooks.
+
 With vLLM's hybrid KV cache manager (``SupportsHMA``) a model may have several KV cache groups (sliding window,
 Mamba beside full attention): each group is planned, keyed and stored on its own, and failed loads go out per
 request (:mod:`.groups`, :mod:`.hybrid`).
@@ -238,6 +245,25 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
         """Map vLLM's layers to kvdi's ``layers.<i>`` and hand kvdi's worker half caches in kvdi's layout."""
         self.worker_side.register_kv_caches(kv_caches)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33's check at config time (``--enable-sleep-mode``): True. kvdi pins no device memory with
+        anything outside the process (no RDMA or IPC registration), its views address the KV cache by the virtual
+        addresses vLLM's sleep allocator remaps on wake-up, and :meth:`unregister_kv_caches` ends its queued
+        transfers before the memory goes."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33's hook before sleep (and ``discard(("kv_cache",))``): end every queued transfer of kvdi's half
+        that touches the KV cache. The scheduler role registers nothing: nothing to do there."""
+        if self._worker_side is not None:
+            self._worker_side.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33's hook after wake-up with the KV cache: kvdi's views address it again (same addresses)."""
+        if self._worker_side is not None:
+            self._worker_side.restore_kv_caches()
+
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
         self.worker_side.bind_connector_metadata(connector_metadata)
@@ -300,11 +326,13 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
         return FleetConnectorStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any, labelvalues: Any) -> Any:
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any
+    ) -> Any:
         """vLLM's hook: kvdi's Prometheus series on ``/metrics`` (:mod:`.fleet.prom`)."""
         from kvdi.integrations.vllm.fleet.prom import build_prom_metrics
 
-        return build_prom_metrics(vllm_config, metric_types, labelnames, labelvalues)
+        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _counters(self) -> dict[str, int | float]:
         return {**self._reporter.as_dict(), **self._counts_reporter.as_dict()}

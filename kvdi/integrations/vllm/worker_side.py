@@ -6,6 +6,14 @@ adapter's counters. It maps vLLM's layers to kvdi's, binds each step's metadata 
 rank, through the :class:`~.bridge.LayoutBridge` where blocks are not contiguous), runs the
 loads and saves, reports asynchronous loads in the step they finish (:mod:`.async_loads`) and
 keeps a :class:`~.block_index.BlockIndex` in the scheduler's process current (``index_mode``).
+
+A step's saves are queued before its finished sends are reported, whichever order vLLM calls
+them in: vLLM 0.33's model runner V2 with a drafter asks ``get_transfer_results`` before
+``wait_for_save`` (``defer_finalize``), and a request reported sent before its last save was
+queued would free blocks a later job still reads. Around vLLM 0.33's sleep mode
+(``unregister_kv_caches`` / ``restore_kv_caches``) every queued transfer that touches the KV
+cache ends before its memory is released; the views stay registered (vLLM remaps the same
+addresses on wake-up).
 """
 
 from __future__ import annotations
@@ -64,6 +72,8 @@ class WorkerSide:
         self._async = WorkerLoads(counts, half.context.settings.transfer.idle_load_wait_ms / 1000)
         self._step_meta: BlockTransferMetadata | None = None
         self._loads_due = self._saves_due = False
+        self._saves_pending = False  # this step's saves not yet handed to kvdi's half (see wait_for_save)
+        self.asleep = False  # between vLLM's unregister_kv_caches and restore_kv_caches
         self._stored_keys: list[bytes] = []
         self._dropped_keys: list[bytes] = []
         self._layer_names: dict[str, str] = {}
@@ -98,6 +108,7 @@ class WorkerSide:
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """Hand kvdi's worker half this step's metadata; note whether the step loads or saves anything."""
         self._step_meta, self._loads_due, self._saves_due = None, False, False
+        self._saves_pending = False
         if not isinstance(connector_metadata, KvdiConnectorMetadata):
             return
         self._async.next_step(connector_metadata.idle)
@@ -115,6 +126,7 @@ class WorkerSide:
             self._loads_due = bool(inner.loads) or bool(self._async.loading)
         else:  # a connector with its own metadata (p2p): let it see every hook
             self._loads_due = self._saves_due = True
+        self._saves_pending = self._saves_due
         self.fleet.saw(inner)
         if isinstance(inner, BlockTransferMetadata) and self._shape.sliced:
             inner = self._shape.rekey(inner)  # this rank's slice of each block has its own key
@@ -169,8 +181,11 @@ class WorkerSide:
             self.half.save_kv_layer(kvdi_name, self._views[kvdi_name])
 
     def wait_for_save(self) -> None:
-        if not self._saves_due:
+        """Hand this step's saves to kvdi's half, once per step: a second call (vLLM's deferred finalize after
+        :meth:`get_finished` already did it) does nothing."""
+        if not self._saves_pending:
             return
+        self._saves_pending = False
         failures = self.half.stats.save_failures
         if self._bridge is not None:
             self._bridge.save(self.half.wait_for_save)  # through scratch: round by round
@@ -180,9 +195,25 @@ class WorkerSide:
             self._stored_keys.extend(k for t in self._step_meta.saves for k in t.block_keys)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous saves and loads ended; the step's saves are queued first when vLLM asks
+        before ``wait_for_save`` (0.33's deferred finalize), so no request is reported sent before its last save
+        was even queued."""
+        self.wait_for_save()
         wait_on(self._load_waiters, self._async)  # an empty step: let the loader have the GIL a while
         sending, recving = self._async.reconcile(*self.half.get_finished(finished_req_ids))
         return sending or None, recving or None
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33's hook before sleep releases the KV cache's memory: every queued transfer of kvdi's half that
+        reads or writes the cache ends first (vLLM drained its requests; kvdi's own queue may still hold jobs).
+        Idempotent; kvdi's store keeps what it holds."""
+        if isinstance(self.half, PreemptionAware):
+            self.half.handle_preemptions(None)  # None: every request's jobs
+        self.asleep = True
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33's hook after wake-up: the views kvdi registered address the same memory again. Idempotent."""
+        self.asleep = False
 
     def failed_requests(self, recving: set[str] | None) -> set[str]:
         """With several KV cache groups, the requests reported received now whose load failed."""

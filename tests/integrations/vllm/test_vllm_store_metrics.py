@@ -45,7 +45,12 @@ def test_store_bytes_gauge_by_store_kind_when_it_changes(tmp_path: Path) -> None
         FileBlockStore(tmp_path / "b"),
     )
     counters = StoreCounters("worker", "1-0", None, [pool, capped, uncapped])
-    assert counters.entry(None) == {"g|worker|1-0|store_bytes|host": 0.0, "g|worker|1-0|store_bytes|disk": 0.0}
+    tiers = {  # the first entry also describes the tiers, once (vLLM's kv_offload_config_info)
+        "g|worker|1-0|tier_info|0:host|HostPoolStore": 1.0,
+        "g|worker|1-0|tier_info|1:disk|FileBlockStore": 1.0,
+        "g|worker|1-0|tier_info|2:disk|FileBlockStore": 1.0,
+    }
+    assert counters.entry(None) == {"g|worker|1-0|store_bytes|host": 0.0, "g|worker|1-0|store_bytes|disk": 0.0, **tiers}
     pool.put_many([(b"a" * 16, [b"1"])])
     capped.put_many([(b"b" * 16, [FRAME])])
     uncapped.put_many([(b"c" * 16, [FRAME])])

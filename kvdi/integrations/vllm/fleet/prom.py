@@ -9,6 +9,11 @@ Series follow vLLM's conventions (``vllm:`` prefix, counters exposed with ``_tot
 (``_bytes``, ``_seconds``, ``_blocks``). Every counter, histogram and unlabelled gauge has a
 sample at 0 for both roles from the moment the server starts, so ``rate()`` and alerts work
 before anything moved. See :data:`COUNTERS`, :data:`HISTOGRAMS`, :data:`GAUGES` for the list.
+
+The same counters also go out under the names of vLLM's own offloading connector
+(``vllm:kv_offload_config_info``, ``vllm:kv_offload_{load,store}_*``,
+``vllm:kv_offload_tiering_*`` by ``tier``), so a dashboard built for it shows kvdi's tiers
+(:mod:`.offload_series`: from the first step on, and left to vLLM's connector where it runs too).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from vllm.logger import init_logger
 
 from kvdi.integrations.vllm.envelopes import KvdiConnectorStats
 from kvdi.integrations.vllm.fleet.counters import PROM_KEY, merge_entries
+from kvdi.integrations.vllm.fleet.offload_series import OffloadSeries
 
 if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge, Histogram
@@ -117,6 +123,7 @@ class KvdiPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,unused-ignor
         }
         self._ranks: dict[tuple[int, str, str, str, str], float] = {}  # (engine, role, gauge, label, rank) -> value
         self._connector = _connector_name(vllm_config)
+        self.offload = OffloadSeries(counter, gauge, labelnames, self._connector)
         for labelvalues in per_engine_labelvalues.values():  # every series at 0 from the start: rate() works at once
             for role in ROLES:
                 base = [*labelvalues, self._connector, role]
@@ -130,6 +137,7 @@ class KvdiPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,unused-ignor
         entry = transfer_stats_data.get(PROM_KEY)
         if not entry:
             return
+        self.offload.observe(entry, self.per_engine_labelvalues[engine_idx])
         base = [*self.per_engine_labelvalues[engine_idx], self._connector]
         touched: set[tuple[str, str, str]] = set()
         for key, value in entry.items():

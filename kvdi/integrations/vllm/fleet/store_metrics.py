@@ -6,6 +6,11 @@ per rank slice, counted whether or not KV cache events are on) and ``store_bytes
 store kind, ``host`` or ``disk``: bytes the store holds, for stores that declare
 :class:`SizedStore`; sent when it changes). The observer (:mod:`.prom`) takes the largest
 rank's ``store_bytes`` (ranks may share one store: a sum would count it twice).
+
+For the series of vLLM's offloading connector (:mod:`.offload_series`) it also sends, once,
+``tier_info`` per store tier (``g|worker|<rank>|tier_info|<index>:<kind>|<store class>``) and,
+for a store of one tier, that tier's share of the step's transfers
+(``c|worker|tier_read_bytes|<tier>`` and the like: all of them).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvdi.connectors.store.protocol import StoreCapabilities
 from kvdi.integrations.vllm.fleet.counters import FleetCounters
+from kvdi.integrations.vllm.fleet.offload_series import TIER_COUNTERS, tier_labels
 
 
 @runtime_checkable
@@ -35,6 +41,9 @@ class StoreCounters(FleetCounters):
         self._reported_evicted = 0
         self._sized = [(StoreCapabilities.of(leaf).hit_source, leaf) for leaf in leaves if isinstance(leaf, SizedStore)]
         self._sizes: dict[str, float] = {}
+        names = tier_labels(StoreCapabilities.of(leaf).hit_source for leaf in leaves)
+        self._tiers = [(tier, type(leaf).__name__) for tier, leaf in zip(names, leaves, strict=True)]
+        self._tiers_sent = False
 
     def evictions(self, queue: deque[bytes] | None) -> Callable[[bytes], None]:
         """The watcher for one store's ``watch_evictions``: counts each eviction, queues its key for events."""
@@ -57,7 +66,20 @@ class StoreCounters(FleetCounters):
             if size is not None and self._sizes.get(label) != size:
                 self._sizes[label] = float(size)
                 out[f"g|{self.role}|{self.rank}|store_bytes|{label}"] = float(size)
+        self._tier_entries(out, delta)
         return out or None
+
+    def _tier_entries(self, out: dict[str, Any], delta: dict[str, int | float] | None) -> None:
+        """The tiers' descriptions (first call only) and, for a store of one tier, the step's transfers by tier."""
+        if not self._tiers_sent:
+            self._tiers_sent = True
+            for tier, store in self._tiers:
+                out[f"g|{self.role}|{self.rank}|tier_info|{tier}|{store}"] = 1.0
+        if len(self._tiers) == 1 and delta:
+            tier = self._tiers[0][0]
+            for name, per_tier in TIER_COUNTERS.items():
+                if delta.get(name):
+                    out[f"c|{self.role}|{per_tier}|{tier}"] = delta[name]
 
 
 __all__ = ["SizedStore", "StoreCounters"]
