@@ -338,7 +338,7 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
         return {**self._reporter.as_dict(), **self._counts_reporter.as_dict()}
 
     def shutdown(self) -> None:
-        """Shut kvdi's half down (queued saves drained), then write the final counters, release the shared container."""
+        """Shut kvdi's half down (queued saves drained), write the final counters, close the shared-tier publisher."""
         if self._closed:
             return
         self._closed = True
@@ -348,6 +348,8 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
             try:
                 if self._stats_file is not None:
                     self._stats_file.close()
+                if self._scheduler_side is not None:
+                    self._scheduler_side.fleet.close()  # flushes the shared identity's publisher, if any
             finally:
                 SHARED.release(self._engine_id)
 
