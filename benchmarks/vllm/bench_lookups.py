@@ -58,9 +58,9 @@ def engine(spec: dict[str, Any]) -> dict[str, Any]:
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     schedule, calls = scheduler.schedule, []
 
-    def timed() -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
-        out = schedule()
+        out = schedule(*args, **kwargs)
         calls.append(time.perf_counter() - start)
         return out
 
@@ -189,6 +189,8 @@ def table(doc: dict[str, Any]) -> str:
         cells = [f"{x['median']:9.1f} [{x['min']:6.1f}-{x['max']:6.1f}]" for x in (figs[f] for f in FIGURES)]
         lines.append(f"{c:<12} " + " ".join(f"{s:>26}" for s in cells))
     for c, figs in doc["ratio_to_local"].items():
+        if not figs:
+            continue
         cells = [f"{x['median']:7.2f}x [{x['min']:.2f}-{x['max']:.2f}]" for x in (figs[f] for f in FIGURES)]
         lines.append(f"{c + '/local':<12} " + " ".join(f"{s:>26}" for s in cells))
     lines.append(f"tokens identical: {doc['tokens_identical']}")
@@ -206,7 +208,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--delay-ms", type=float, default=5.0, help="proxy delay to Redis, each way")
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--running-max-tokens", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
