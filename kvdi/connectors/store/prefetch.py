@@ -197,75 +197,54 @@ class HostStaging:
             return set(self._staged)
 
     def apply(self, prefetches: Sequence[BlockTransfer], drops: Sequence[str]) -> None:
-        """Drop the staging of ``drops``, then start ``prefetches`` (a request's keys each): the step's prefetches
-        split over the threads, each share read in one store call (one round trip for many requests)."""
+        """Drop the staging of ``drops``, then start ``prefetches`` (a request's keys each)."""
         for request_id in drops:
             self.drop(request_id)
-        jobs = [(t.request_id, staged, tuple(t.block_keys)) for t in prefetches
-                if (staged := self._reserve(t.request_id, t.block_keys)) is not None]  # fmt: skip
-        if not jobs:
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=f"kvdi-{self.name}-prefetch")
-        share = -(-len(jobs) // self._threads)
-        for at in range(0, len(jobs), share):
-            batch = jobs[at : at + share]
-            future = self._pool.submit(self._fetch, batch)
-            for _, staged, _ in batch:
-                staged.future = future
+        for t in prefetches:
+            self.start(t.request_id, t.block_keys)
 
     def start(self, request_id: str, keys: Sequence[bytes]) -> None:
-        self.apply([BlockTransfer(request_id, tuple(range(len(keys))), tuple(keys))], ())
-
-    def _reserve(self, request_id: str, keys: Sequence[bytes]) -> _Staged | None:
-        """The request's staging, reserved; None (reported as a miss) when it has one or past the bound."""
         nbytes = len(keys) * self.frame_bytes
         with self._lock:
             if request_id in self._staged or self._held_locked() + nbytes > self.max_bytes:
                 self.refused += 1
                 self._reports.append((request_id, 0))
-                return None
+                return
             staged = self._staged[request_id] = _Staged(nbytes)
-        return staged
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=f"kvdi-{self.name}-prefetch")
+        staged.future = self._pool.submit(self._fetch, request_id, staged, tuple(keys))
 
-    def _fetch(self, batch: list[tuple[str, _Staged, tuple[bytes, ...]]]) -> int:
-        """Background: the leading present objects of each request's keys (one store call for the batch), staged;
-        how many in all. Always reports each request (unless dropped or timed out meanwhile): a store that raises
-        or answers junk is a miss from that entry on."""
-        keys = [k for _, _, mine in batch for k in mine]
-        counts, failure, failed_from = [0] * len(batch), None, 0
+    def _fetch(self, request_id: str, staged: _Staged, keys: tuple[bytes, ...]) -> int:
+        """Background: the leading present objects of ``keys`` (one store call), staged; how many. Always reports
+        (unless dropped or timed out meanwhile): a store that raises or answers junk is a miss from that entry on."""
+        count, failure = 0, None
         try:
             objects = self.store.get_many(keys)
             if not isinstance(objects, list) or len(objects) != len(keys):
                 raise TypeError(f"get_many returned {type(objects).__name__} for {len(keys)} keys")
-            at = 0
-            for i, (_, staged, mine) in enumerate(batch):
-                failed_from = i
-                for key, obj in zip(mine, objects[at : at + len(mine)], strict=True):
-                    if obj is None:
-                        break  # a gap ends the hit
-                    if not isinstance(obj, bytes | bytearray | memoryview):
-                        raise TypeError(f"get_many returned an entry of type {type(obj).__name__}")
-                    if memoryview(obj).nbytes > self.frame_bytes:
-                        break  # an odd object ends the hit; the load verifies the rest
-                    staged.objects[key] = obj
-                    counts[i] += 1
-                at += len(mine)
-            failed_from = len(batch)
+            for key, obj in zip(keys, objects, strict=True):
+                if obj is None:
+                    break  # a gap ends the hit
+                if not isinstance(obj, bytes | bytearray | memoryview):
+                    raise TypeError(f"get_many returned an entry of type {type(obj).__name__}")
+                if memoryview(obj).nbytes > self.frame_bytes:
+                    break  # an odd object ends the hit; the load verifies the rest
+                staged.objects[key] = obj
+                count += 1
         except Exception as exc:  # the medium failed, or answered junk: a miss from here, recomputed
             failure = exc
         with self._lock:
-            for i, ((request_id, staged, _), count) in enumerate(zip(batch, counts, strict=True)):
-                if failure is not None and i >= failed_from:
-                    self.failed += 1
-                if staged.dropped:
-                    staged.objects.clear()
-                else:
-                    self._reports.append((request_id, count))
+            if failure is not None:
+                self.failed += 1
+            if staged.dropped:
+                staged.objects.clear()
+            else:
+                self._reports.append((request_id, count))
         if failure is not None:
-            logger.warning("kv connector %r: prefetch of %d blocks for %d requests failed after %d, recomputing: %r",
-                           self.name, len(keys), len(batch), sum(counts), failure)  # fmt: skip
-        return sum(counts)
+            logger.warning("kv connector %r: prefetch of %d blocks failed after %d, recomputing: %r", self.name,
+                           len(keys), count, failure)  # fmt: skip
+        return count
 
     def reports(self) -> tuple[list[tuple[str, int]], int]:
         """Prefetches finished since the last call, ``(request, leading objects staged)``, and how many of them

@@ -42,10 +42,9 @@ def start_prefetch(half: SchedulerConnector, unavailable: str | None) -> Prefetc
     """Hand the scheduler half's load policy (:mod:`kvdi.connectors.store.load_policy`) what this engine allows,
     let it decide once whether hits prefetch at lookup, and log its decision and why; the half when it prefetches.
     Then :func:`start_lookups` (the measurement of the store's round trip is shared)."""
-    try:
-        return _start_prefetch(half, unavailable)
-    finally:
-        start_lookups(half)
+    prefetcher = _start_prefetch(half, unavailable)
+    start_lookups(half)
+    return prefetcher
 
 
 def start_lookups(half: SchedulerConnector) -> bool:
