@@ -124,10 +124,28 @@ class ModelSettings(_Section):
 
 
 class SchedulerSettings(_Section):
-    """Reference engine scheduler limits (``KVDI_SCHEDULER__*``)."""
+    """Scheduler limits of the reference engine and how a store connector's scheduler half looks up hits
+    (``KVDI_SCHEDULER__*``).
+
+    ``lookup``: how the scheduler half asks the store which blocks it holds. ``sync`` asks inside
+    the scheduler's step (one round trip per waiting request, as before); ``async`` (with a host
+    that asks again, vLLM) answers "ask again" and looks up in the background, the requests of a
+    step in one batched round trip; ``auto`` picks ``async`` for a store that says it is remote or
+    whose lookup round trip measures 1 ms or more, ``sync`` otherwise. ``lookup_timeout_s``: a
+    background lookup still unanswered after this long is a counted miss (the request computes).
+    """
 
     max_num_batched_tokens: int = Field(2048, gt=0, le=1 << 24)
     max_num_seqs: int = Field(16, gt=0, le=1 << 16)
+    lookup: Literal["auto", "sync", "async"] = "auto"
+    lookup_timeout_s: float = duration_field(2.0, most=600)
+
+    @field_validator("lookup", mode="before")
+    @classmethod
+    def _lookup(cls, value: Any) -> Any:
+        if value not in ("auto", "sync", "async"):
+            raise ValueError(f"scheduler.lookup must be auto, sync or async, got {value!r}")
+        return value
 
 
 class SharedStorageSettings(_Section):

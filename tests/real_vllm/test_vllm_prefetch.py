@@ -101,6 +101,31 @@ def test_redis_hits_load_with_the_tokens_of_no_connector(
         assert scheduler.get("prefetch_reported", 0) == 0
 
 
+def test_lookups_behind_5_ms_leave_the_scheduler_step_and_hits_load_with_the_tokens_of_no_connector(
+    redis_url: tuple[str, Path],
+    base_spec: dict[str, Any],
+    prompts: list[list[int]],
+    baseline_tokens: list[list[int]],
+) -> None:
+    """Redis 5 ms away (kvdi's latency proxy), every setting at its default: ``scheduler.lookup=auto`` measures
+    the store and looks up in the background (vLLM told "ask again" meanwhile), then the hit is prefetched and
+    loaded; greedy tokens equal no connector's and every stored block is loaded."""
+    from kvdi.testing.latency_proxy import LatencyProxy
+
+    url, work = redis_url
+    stats = work / "stats-async-lookups"
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    with LatencyProxy(("127.0.0.1", port), delay_ms=5) as proxy:
+        kv = kv_config("redis", stats_dir=stats, redis__url=proxy.url("redis"))
+        result = run_engine(work, "async-lookups", {**base_spec, "kv": kv}, env=IN_PROCESS)
+
+    assert result["rounds"][0]["tokens"] == baseline_tokens
+    log = Path(result["log"]).read_text()
+    assert "store lookups in the background, batched per step (async: auto, store lookup" in log
+    assert read_stats(stats, "worker")["loaded_blocks"] == expected_blocks(prompts)
+    assert read_stats(stats, "scheduler")["lookups"] == len(prompts)  # one answered lookup per request
+
+
 def test_redis_cluster_hits_are_prefetched_then_loaded(
     tmp_path: Path, base_spec: dict[str, Any], prompts: list[list[int]], baseline_tokens: list[list[int]]
 ) -> None:

@@ -297,17 +297,18 @@ class RedisBlockStore:
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, hold an object (pipelined STRLENs); 0 while the breaker is open."""
-        if not keys:
-            return 0
-        replies = self._replies(lookup_exchange(self.node, [self._name(k) for k in keys]), miss=True)
-        if replies is None:
-            return 0
-        count = 0
-        for reply in replies:
-            if not present(reply):
-                break
-            count += 1
-        return count
+        return self.count_prefix_many([keys])[0]
+
+    def count_prefix_many(self, key_lists: Sequence[Sequence[bytes]]) -> list[int]:
+        """:meth:`count_prefix` of each list in one pipeline (a step's background lookups in one round trip,
+        :mod:`kvdi.connectors.store.lookups`); all 0 while the breaker is open."""
+        names = [self._name(k) for keys in key_lists for k in keys]
+        replies = (self._replies(lookup_exchange(self.node, names), miss=True) if names else []) or []
+        counts, at = [], 0
+        for keys in key_lists:
+            mine, at = replies[at : at + len(keys)], at + len(keys)
+            counts.append(next((i for i, reply in enumerate(mine) if not present(reply)), len(mine)))
+        return counts
 
     def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """Each key's object (at most ``max_object_bytes + 1`` bytes) or None; all None while the breaker is open."""

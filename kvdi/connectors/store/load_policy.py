@@ -38,6 +38,12 @@ behind a proxy): on loopback a synchronous load is the cheapest; at 1 and 5 ms e
 stays within 1.0x of (local hit + raw transfer) where a synchronous one takes 1.05x and 1.71x and stalls the tail
 of running requests' inter-token latency (p90 2.6x at 5 ms)."""
 
+AUTO_ASYNC_LOOKUP_S = 1e-3
+"""Under ``scheduler.lookup=auto`` with a host that asks again (vLLM): a store that says it is remote
+(``prefers_async_load``) or whose lookup round trip (the fastest of 5 at start, the measurement ``async_load=auto``
+uses) takes at least this long is looked up in the background (:mod:`.lookups`), off the scheduler's step; a faster
+(local) store is asked inside it, where one call costs less than the step of latency an asynchronous answer adds."""
+
 Way = Literal["sync", "background", "prefetch"]
 
 
@@ -66,6 +72,36 @@ class LoadPolicy:
         self.prefetch = False
         self._unavailable: str | None = None  # why prefetch cannot run here, as the host said
         self._decided = False
+        self._measured = False
+        self.lookup_async = False  # lookups run in the background (decide_lookup)
+        self._lookup_why = "no host that asks again"
+
+    def _round_trip(self) -> float | None:
+        """The store's lookup round trip, measured once (shared by the prefetch and the lookup decisions)."""
+        if not self._measured:
+            self._measured, self.lookup_s = True, lookup_round_trip(self._store)
+        return self.lookup_s
+
+    def decide_lookup(self, setting: str, unavailable: str | None = None) -> bool:
+        """``scheduler.lookup`` for a host that asks again; ``unavailable``: why lookups cannot leave the step there
+        (None: they can). True when lookups run in the background (:mod:`.lookups`)."""
+        if unavailable is not None:
+            self.lookup_async, self._lookup_why = False, f"sync: {unavailable}"
+        elif setting in ("sync", "async"):
+            self.lookup_async, self._lookup_why = setting == "async", f"{setting}: scheduler.lookup={setting}"
+        elif self.remote:
+            self.lookup_async, self._lookup_why = True, "async: auto, a store that says it is remote"
+        else:
+            rtt = self._round_trip()
+            self.lookup_async = rtt is not None and rtt >= AUTO_ASYNC_LOOKUP_S
+            shown = "?" if rtt is None else f"{rtt * 1e3:.2f} ms"
+            self._lookup_why = f"{'async' if self.lookup_async else 'sync'}: auto, store lookup {shown}"
+        return self.lookup_async
+
+    def describe_lookup(self) -> str:
+        """One line: whether lookups leave the scheduler's step, and why."""
+        where = "in the background, batched per step" if self.lookup_async else "inside the scheduler's step"
+        return f"store lookups {where} ({self._lookup_why})"
 
     def background(self, num_blocks: int) -> bool:
         """Whether a hit of ``num_blocks`` that is not prefetched loads in the background (else synchronously)."""
@@ -81,7 +117,7 @@ class LoadPolicy:
             if unavailable is None and self.setting == "prefetch":
                 self.prefetch = True
             elif unavailable is None and self.setting == "auto":
-                self.lookup_s = lookup_round_trip(self._store)
+                self.lookup_s = self._round_trip()
                 self.prefetch = auto_way(self.remote, self.lookup_s, 0, prefetch_here=True) == "prefetch"
         return self.prefetch
 
@@ -119,4 +155,4 @@ class LoadPolicy:
         return f"async_load=auto: {where}{local}"
 
 
-__all__ = ["ASYNC_LOAD_MIN_BYTES", "AUTO_PREFETCH_LOOKUP_S", "LoadPolicy", "Way", "auto_way"]
+__all__ = ["ASYNC_LOAD_MIN_BYTES", "AUTO_ASYNC_LOOKUP_S", "AUTO_PREFETCH_LOOKUP_S", "LoadPolicy", "Way", "auto_way"]

@@ -28,6 +28,7 @@ from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.keys import block_keys
 from kvdi.connectors.store.load_policy import ASYNC_LOAD_MIN_BYTES, AUTO_PREFETCH_LOOKUP_S, LoadPolicy
+from kvdi.connectors.store.lookups import AsyncLookups
 from kvdi.connectors.store.plan import RecentSaves, RequestPlan
 from kvdi.connectors.store.prefetch import ASK_AGAIN, PrefetchPlanner
 from kvdi.connectors.store.protocol import require_store
@@ -60,6 +61,16 @@ class StoreSchedulerConnector(SchedulerConnector):
         self.load_policy = LoadPolicy(self._transfer, self.store, self._block_bytes)  # sync, background, prefetch
         self.prefetch: PrefetchPlanner | None = None  # set by a host that relays the worker's reports
         self._logged: set[str] = set()  # lookup failures: a warning per reason a minute (log_once)
+        self.lookups: AsyncLookups | None = None  # background lookups, set by a host that asks again
+
+    def enable_lookups(self, unavailable: str | None = None) -> bool:
+        """Called once by a host that asks again after a ``None`` answer (the vLLM adapter), with why lookups cannot
+        leave the scheduler's step there (None: they can); True when they run in the background from now on, as
+        ``scheduler.lookup`` and the load policy decide (:meth:`~.load_policy.LoadPolicy.decide_lookup`)."""
+        scheduler = self.context.settings.scheduler
+        if self.load_policy.decide_lookup(scheduler.lookup, unavailable) and self.lookups is None:
+            self.lookups = AsyncLookups(self.store, self.name, timeout_s=scheduler.lookup_timeout_s)
+        return self.lookups is not None
 
     def enable_prefetch(self, unavailable: str | None = None) -> bool:
         """Called once by a host that relays :meth:`prefetched` reports (the vLLM adapter), with why prefetch cannot
@@ -106,7 +117,10 @@ class StoreSchedulerConnector(SchedulerConnector):
                 plan.load_accepted, plan.load_async = False, False
                 plan.load_from_tokens, plan.load_start, plan.load_end = num_computed_tokens, first, ready
                 return max(0, ready * self._block_size - num_computed_tokens), False
-        n, load_async = self._lookup(request, num_computed_tokens)
+        looked = self._lookup(request, num_computed_tokens)
+        if looked is None:
+            return None, False  # "ask again": the store is asked in the background (:mod:`.lookups`)
+        n, load_async = looked
         if self.prefetch is not None and n:
             plan = self._plans[request.request_id]
             if self.prefetch.start(request.request_id, plan.load_start, plan.keys[plan.load_start : plan.load_end]):
@@ -114,14 +128,20 @@ class StoreSchedulerConnector(SchedulerConnector):
                 return None, False
         return n, load_async
 
-    def _lookup(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool]:
-        self.stats.lookups += 1
+    def _lookup(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool] | None:
+        """The hit offered (tokens, asynchronously?), or None while a background lookup runs (ask again)."""
         plan = self._plan(request)
         plan.load_accepted = plan.load_async = False
         plan.load_start = plan.load_end = 0
         bs = self._block_size
         first = min(num_computed_tokens // bs, len(plan.keys))
         loadable = min(loadable_tokens(len(request.prompt_token_ids), bs) // bs, len(plan.keys))
+        if first < loadable and plan.looked_up_at != first and self.lookups is not None:
+            held = self._answered(request.request_id, first, plan.keys[first:])
+            if held is None:
+                return None
+            plan.stored, plan.looked_up_at = first + held, first
+        self.stats.lookups += 1
         if first >= loadable:
             # vLLM holds every loadable block: no store round trip. The full block holding the last prompt token
             # (computed anyway) is saved again only when this half did not plan its save lately.
@@ -140,6 +160,20 @@ class StoreSchedulerConnector(SchedulerConnector):
         plan.load_from_tokens, plan.load_start, plan.load_end = num_computed_tokens, first, stored
         plan.load_async = self.load_async(stored - first)
         return stored * bs - num_computed_tokens, plan.load_async
+
+    def _answered(self, request_id: str, first: int, keys: list[bytes]) -> int | None:
+        """The background lookup's leading held ``keys`` (a failed one a counted miss); None while it runs."""
+        assert self.lookups is not None
+        lookup = self.lookups.answer(request_id, first, keys)
+        if lookup is None:
+            return None
+        if lookup.failure is not None and not lookup.counted:
+            lookup.counted = True
+            self.stats.load_failures += 1
+            log_once(logger, self._logged, "lookup:background",
+                     "kv connector %r: background store lookup failed, treating as a miss: %s", self.name,
+                     lookup.failure)  # fmt: skip
+        return lookup.answer
 
     def _count_stored(self, keys: list[bytes]) -> int:
         """Leading ``keys`` the store holds; anything odd (an exception, a bad reply) is a counted miss."""
@@ -207,12 +241,21 @@ class StoreSchedulerConnector(SchedulerConnector):
                     plan.held = plan.held or async_save
         for rid in output.finished_req_ids:
             self._plans.pop(rid, None)
+        if self.lookups is not None:
+            self.lookups.flush()  # the step's queued lookups, in one background round trip
         prefetches, drops = self.prefetch.take() if self.prefetch is not None else ((), ())
         return StoreTransferMetadata(tuple(loads), tuple(saves), async_loads, async_save, prefetches, drops)
+
+    def shutdown(self) -> None:
+        if self.lookups is not None:
+            self.lookups.shutdown()
+        super().shutdown()
 
     def request_finished(self, request: KVRequest, block_ids: Sequence[int]) -> tuple[bool, dict[str, object] | None]:
         """Hold the blocks (``delay_free``) when an asynchronous transfer of this request reached the worker."""
         self._async_loads.pop(request.request_id, None)  # planned, never sent: nothing to wait for
+        if self.lookups is not None:
+            self.lookups.drop(request.request_id)  # its lookup, queued, running or answered, is of no more use
         if self.prefetch is not None:
             self.prefetch.release(request.request_id)  # its staging, if any, is dropped next step
         plan = self._plans.pop(request.request_id, None)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 
 from kvdi.connectors.base import PrefetchingScheduler, SchedulerConnector
+from kvdi.connectors.store.scheduler import StoreSchedulerConnector
+from kvdi.integrations.vllm.block_index import BlockIndex
 from kvdi.integrations.vllm.parallel import RankSlice
 
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -38,7 +40,27 @@ def prefetch_unavailable(num_groups: int, shape: RankSlice, index_mode: bool) ->
 
 def start_prefetch(half: SchedulerConnector, unavailable: str | None) -> PrefetchingScheduler | None:
     """Hand the scheduler half's load policy (:mod:`kvdi.connectors.store.load_policy`) what this engine allows,
-    let it decide once whether hits prefetch at lookup, and log its decision and why; the half when it prefetches."""
+    let it decide once whether hits prefetch at lookup, and log its decision and why; the half when it prefetches.
+    Then :func:`start_lookups` (the measurement of the store's round trip is shared)."""
+    prefetcher = _start_prefetch(half, unavailable)
+    start_lookups(half)
+    return prefetcher
+
+
+def start_lookups(half: SchedulerConnector) -> bool:
+    """Let a store scheduler half decide once, by ``scheduler.lookup`` and its load policy, whether its lookups run
+    in the background (vLLM asks again after a ``None``: :mod:`kvdi.connectors.store.lookups`); log it; True if so."""
+    if not isinstance(half, StoreSchedulerConnector):
+        if half.context.settings.scheduler.lookup == "async":
+            logger.warning("kvdi: scheduler.lookup=async is not available here (no store scheduler half); sync")
+        return False
+    index = isinstance(half.store, BlockIndex)  # the scheduler's own key index: in memory, not thread-safe
+    on = half.enable_lookups("the store is the scheduler's in-process key index" if index else None)
+    logger.info("kvdi: %s", half.load_policy.describe_lookup())
+    return on
+
+
+def _start_prefetch(half: SchedulerConnector, unavailable: str | None) -> PrefetchingScheduler | None:
     if not isinstance(half, PrefetchingScheduler):
         if half.context.settings.transfer.async_load == "prefetch":
             logger.warning(
@@ -52,4 +74,4 @@ def start_prefetch(half: SchedulerConnector, unavailable: str | None) -> Prefetc
     return half if on else None
 
 
-__all__ = ["prefetch_unavailable", "start_prefetch"]
+__all__ = ["prefetch_unavailable", "start_lookups", "start_prefetch"]

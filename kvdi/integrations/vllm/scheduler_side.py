@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvdi.connectors.base import PrefetchingScheduler, SchedulerConnector
+from kvdi.connectors.store.scheduler import StoreSchedulerConnector
 from kvdi.integrations.vllm.async_loads import SchedulerLoads
 from kvdi.integrations.vllm.block_index import BlockIndex
 from kvdi.integrations.vllm.envelopes import KvdiConnectorMetadata, KvdiWorkerMetadata
@@ -45,6 +46,8 @@ class SchedulerSide:
         self._prefetcher = prefetcher  # the half, when it prefetches at lookup (:mod:`.prefetch`)
         self._hybrid = half if isinstance(half, HybridScheduler) else None
         self._parked = SchedulerLoads()
+        self._lookups = half.lookups if isinstance(half, StoreSchedulerConnector) else None  # background lookups
+        self._idle_wait_s = half.context.settings.transfer.idle_load_wait_ms / 1e3
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvdi can load beyond ``num_computed_tokens`` (vLLM's local prefix-cache hit; 0 for producers)."""
@@ -76,6 +79,8 @@ class SchedulerSide:
         inner = self.half.build_connector_meta(output)
         self.fleet.planned(inner, output.finished_req_ids)
         idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        if idle and self._lookups is not None and self._idle_wait_s and self._lookups.pending:
+            self._lookups.wait(self._idle_wait_s)  # nothing runs: wait for an answer (GIL released), not spin
         return KvdiConnectorMetadata(inner, preempted, self._parked.take_unheld(), idle)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
