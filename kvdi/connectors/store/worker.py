@@ -30,10 +30,11 @@ from kvdi.connectors.base import (
     WorkerConnector,
 )
 from kvdi.connectors.logging_once import log_once
+from kvdi.connectors.store.codec import read_capabilities
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.integrity import frame_key
 from kvdi.connectors.store.prefetch import HostStaging
-from kvdi.connectors.store.protocol import StoreCapabilities, require_store, written_count
+from kvdi.connectors.store.protocol import require_store, written_count
 from kvdi.connectors.store.reads import Readahead, ReadChunk, place_frame, read_chunk, verify_chunk
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue, add_stats
@@ -60,7 +61,7 @@ class StoreWorkerConnector(WorkerConnector):
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         self.store = require_store(context)
-        self.capabilities = StoreCapabilities.of(self.store)  # protocol checks are slow: once, here
+        self.capabilities = read_capabilities(self.store)  # protocol checks are slow: once, here
         layout = context.layout
         transfer = context.settings.transfer
         self.io_thread: bool | None = _IO_THREAD[transfer.io_thread]  # overlap store calls (None: with 4+ CPUs)
