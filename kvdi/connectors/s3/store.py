@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 PREFETCH_OBJECTS_PER_WORKER = 4  # reads kept ahead of the loads, per worker (each at most one frame)
+SAVE_BATCH_PER_WORKER = 4  # blocks per put_many the worker half is asked to send, per worker (writes.py)
 UNSIZED_READ_BYTES = 1 << 30  # the bound of a read whose frame size the store was not told
 _TOTAL = re.compile(r"^bytes \d+-\d+/(\d+)$")
 
@@ -70,6 +71,8 @@ class S3BlockStore:
         self._workers = options.workers
         self._ahead: OrderedDict[bytes, Future[Buffer | None]] = OrderedDict()
         self._ahead_cap = PREFETCH_OBJECTS_PER_WORKER * options.workers
+        self.save_batch_blocks = SAVE_BATCH_PER_WORKER * options.workers
+        """Blocks per ``put_many`` that keep every connection busy (one object per request): saves come so batched."""
 
     def __repr__(self) -> str:
         return f"S3BlockStore({self.label!r}, key_prefix={self.key_prefix!r}, breaker={self.breaker.state.value})"
