@@ -83,6 +83,18 @@ def test_auto_keeps_a_block_plain_when_it_saves_less_than_a_tenth() -> None:
     assert frame_codec(b"".join(Compressor("auto").frame(NAME, plain(payload)))[:HEADER_SIZE]) == 0
 
 
+def test_auto_judges_a_large_block_by_a_sample_of_its_middle_piece() -> None:
+    """Three 128 KiB pieces, only the middle one noise: ``zstd`` compresses the block, ``auto`` trusts the sample."""
+    piece = 128 << 10
+    pieces: list[bytes] = [bytes(piece), os.urandom(piece), bytes(piece)]
+    framed = [frame_header(FP, pieces, name=NAME), *pieces]
+    assert frame_codec(b"".join(Compressor("zstd").frame(NAME, framed))[:HEADER_SIZE]) == FLAG_ZSTD
+    assert b"".join(Compressor("auto").frame(NAME, framed)) == b"".join(framed)
+    squeezable = [bytes(piece)] * 3
+    framed = [frame_header(FP, squeezable, name=NAME), *squeezable]
+    assert frame_codec(b"".join(Compressor("auto").frame(NAME, framed))[:HEADER_SIZE]) == FLAG_ZSTD
+
+
 def test_zstd_never_stores_a_block_larger_than_it_was() -> None:
     noise = os.urandom(N)
     assert b"".join(Compressor("zstd").frame(NAME, plain(noise))) == b"".join(plain(noise))

@@ -1,12 +1,13 @@
 """Lossless compression of stored frames for network and object stores (``compression`` = none | zstd | auto).
 
-A store whose ``compression`` is set re-frames each block it is about to write (:class:`Compressor`):
-the payload becomes one zstd frame (level 1: the fast end; KV of real models compresses by its
-exponent bytes, which level 1 already finds), the header gets :data:`~.framing.FLAG_ZSTD` and a
-checksum (and, with an integrity key, a MAC) over the compressed bytes. ``zstd`` keeps every
-block that got smaller; ``auto`` keeps only a block that saved at least :data:`AUTO_MIN_SAVING`
-and stores the rest as they are (random-looking KV costs one fast compression pass and nothing at
-read time). Either way a block never grows, so an object stays within one frame's read bound.
+A store whose ``compression`` is set re-frames each block it is about to write
+(:class:`Compressor`): the payload becomes one zstd frame (level 1: the fast end; KV of real models
+compresses by its exponent bytes, which level 1 already finds), the header gets
+:data:`~.framing.FLAG_ZSTD` and a checksum (and, with an integrity key, a MAC) over the compressed
+bytes. ``zstd`` keeps every block that got smaller; ``auto`` keeps only a block that saved at least
+:data:`AUTO_MIN_SAVING` and stores the rest as they are (a block of 256 KiB or more is judged by a
+64 KiB sample first, so random-looking KV costs a sample's compression on save and nothing at read
+time). Either way a block never grows, so an object stays within one frame's read bound.
 
 Any reader places a compressed frame (:func:`unframe_into`): the checksum or MAC is checked over
 the stored bytes first, then zstd decompresses straight into the destination pieces, reading at
@@ -42,6 +43,9 @@ COMPRESSIONS: tuple[str, ...] = ("none", "zstd", "auto")
 AUTO_MIN_SAVING = 0.10
 """``auto`` stores a block compressed only when that saves at least this fraction of its bytes."""
 ZSTD_LEVEL = 1
+SAMPLE_BYTES = 64 << 10
+"""``auto`` compresses this much of a large block first; a block whose sample saves under the bound stays plain."""
+SAMPLE_FROM_BYTES = 256 << 10  # blocks of at least this size are sampled first
 
 _local = threading.local()  # zstd contexts are not thread-safe: one pair per thread
 
@@ -99,7 +103,8 @@ class Compressor:
         mac = bool(header[6] & FLAG_MAC)
         payload = pieces[1:]
         raw = sum(memoryview(p).nbytes for p in payload)
-        packed = self._compress(payload, raw) if raw and (self._key is not None or not mac) else None
+        usable = raw and (self._key is not None or not mac) and self._promising(payload, raw)
+        packed = self._compress(payload, raw) if usable else None
         if packed is None or len(packed) > raw * (1 - self._min_saving) or len(packed) >= raw:
             self._count(raw, raw, False)
             return pieces
@@ -111,6 +116,16 @@ class Compressor:
     def frame_all(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> list[tuple[bytes, Sequence[Buffer]]]:
         """:meth:`frame` for each ``(key, pieces)`` of a ``put_many``."""
         return [(key, self.frame(key, pieces)) for key, pieces in items]
+
+    def _promising(self, payload: Sequence[Buffer], raw: int) -> bool:
+        """``auto`` on a large block: whether a sample of it (:data:`SAMPLE_BYTES` of its middle piece) saves the
+        bound, so an incompressible block costs a sample's compression, not the block's."""
+        if self.mode != "auto" or raw < SAMPLE_FROM_BYTES:
+            return True
+        piece = memoryview(payload[len(payload) // 2]).cast("B")
+        sample = piece[: min(SAMPLE_BYTES, piece.nbytes)]
+        packed = _contexts()[0].compress(sample)
+        return len(packed) <= sample.nbytes * (1 - self._min_saving)
 
     @staticmethod
     def _compress(payload: Sequence[Buffer], raw: int) -> bytes:
