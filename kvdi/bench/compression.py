@@ -22,7 +22,7 @@ from functools import partial
 from typing import Any
 
 from kvdi.bench import BenchResult
-from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, run_transfer_step
+from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, WorkerConnector, run_transfer_step
 from kvdi.connectors.store.keys import block_keys
 from kvdi.containers import build_kv_container
 
@@ -52,8 +52,6 @@ def _measure(
     import time
 
     import torch
-
-    from kvdi.bench.redis import _worker  # here: kvdi.bench.redis imports this module
 
     allocator = {"device": "cpu", "num_blocks": num_blocks, "block_size": block_size, "dtype": dtype}
     containers = {c: build_kv_container(**settings(c), model=model, allocator=allocator) for c in CODECS}
@@ -143,6 +141,13 @@ def _measure(
             )
         )
     return results
+
+
+def _worker(container: Any) -> WorkerConnector:
+    half = container.worker_connector()
+    if not isinstance(half, WorkerConnector):  # the container checks roles; this keeps mypy informed
+        raise TypeError(f"expected a worker half, got {type(half).__name__}")
+    return half
 
 
 def _span(total: int, seconds: list[float]) -> str:
