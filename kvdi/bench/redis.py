@@ -14,6 +14,7 @@ hold :data:`BACKGROUND_REQUESTS` requests (an equal share of the blocks each) an
 then empty steps (each waiting up to ``transfer.idle_load_wait_ms`` for a load, as vLLM's adapter
 does) poll ``get_finished`` until every request was reported finished receiving; the time runs
 until the last is reported. Its baseline is the same raw pipelined ``GET`` of all the objects.
+Then the compression rows (:mod:`kvdi.bench.compression`) on the one server.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvdi.bench import BenchResult
+from kvdi.bench.compression import compression_rows
 from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, WorkerConnector, run_transfer_step
 from kvdi.connectors.store import StoreTransferMetadata, StoreWorkerConnector
 from kvdi.connectors.store.keys import block_keys
@@ -102,6 +104,12 @@ def run(quick: bool) -> list[BenchResult]:
     num_blocks, repeats = (32, 5) if quick else (64, 9)
     with RedisServer() as server:
         results = _measure(server.url, False, num_blocks, repeats)
+
+        def settings(codec: str) -> dict[str, Any]:
+            redis = {"url": server.url, "op_timeout_s": 30.0, "key_prefix": f"kvdi-{codec}:", "compression": codec}
+            return {"kv_connector": "redis", "redis": redis}
+
+        results += compression_rows("redis", settings, num_blocks, repeats, MODEL, BLOCK_SIZE)
     with RedisClusterServers(masters=3) as cluster:
         results += _measure(cluster.url, True, num_blocks, repeats)
     return results

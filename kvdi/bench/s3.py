@@ -9,6 +9,7 @@ ranged ``GetObject`` per block, every frame verified, payload copied into the ca
 baseline puts the same payload bytes, already contiguous, with plain ``PutObject`` calls and
 reads them with plain ``GetObject`` calls on a thread pool of the same size over one boto3
 client with as many pooled connections, and does nothing with what it reads. Target: kvdi >= 0.8x.
+Then the compression rows (:mod:`kvdi.bench.compression`) on the same server.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import moto.server  # noqa: F401  (the bench needs moto's server: skipped when it is missing)
 
 from kvdi.bench import BenchResult
+from kvdi.bench.compression import compression_rows
 from kvdi.bench.redis import BLOCK_SIZE, MODEL, _caches, _seconds, _span, _step, _worker
 from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata
 from kvdi.connectors.store.keys import block_keys
@@ -68,7 +70,13 @@ def run(quick: bool) -> list[BenchResult]:
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "kvdi-bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "kvdi-bench")
     with _moto_process() as url:
-        return _measure(url, num_blocks, repeats)
+        results = _measure(url, num_blocks, repeats)
+
+        def settings(codec: str) -> dict[str, Any]:
+            s3 = {"bucket": BUCKET, "endpoint_url": url, "workers": WORKERS, "read_timeout_s": 60.0}
+            return {"kv_connector": "s3", "s3": {**s3, "key_prefix": f"kvdi-{codec}/", "compression": codec}}
+
+        return results + compression_rows("s3", settings, num_blocks, repeats, MODEL, BLOCK_SIZE)
 
 
 def _measure(url: str, num_blocks: int, repeats: int) -> list[BenchResult]:

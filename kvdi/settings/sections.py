@@ -217,6 +217,9 @@ class RedisSettings(_Section):
     """``url`` names any startup node of a Redis Cluster (keys spread over its hash slots)."""
     read_from_replicas: bool = False
     """On a cluster, read from replicas too (writes always go to masters)."""
+    compression: Literal["none", "zstd", "auto"] = "none"
+    """Store blocks zstd-compressed (``zstd``: whenever smaller; ``auto``: when that saves 10 % or more);
+    recorded in each frame, so any reader loads either (docs/compression.md). Needs ``zstandard``."""
 
     @field_validator("url")
     @classmethod

@@ -51,3 +51,38 @@ def test_a_bad_bucket_name_is_blamed_on_its_variable(endpoint: str) -> None:
     """KVDI_S3__BUCKET=Bad_Name: exit 2, the variable, the value and the allowed pattern on one line."""
     r = kvdi_check(KVDI_S3__BUCKET="Bad_Name", KVDI_S3__ENDPOINT_URL=endpoint)
     assert r.returncode == 2 and "KVDI_S3__BUCKET='Bad_Name'" in r.stderr and "pattern" in r.stderr
+
+
+def test_check_warns_in_one_line_when_no_lifecycle_rule_expires_the_prefix(endpoint: str) -> None:
+    """No rule: exit 0 and one warning naming the bucket and the prefix; a rule on kvdi's prefix: no warning."""
+    from tests.helpers.s3 import raw_client
+
+    bucket = new_bucket(endpoint)
+    r = kvdi_check(KVDI_S3__BUCKET=bucket, KVDI_S3__ENDPOINT_URL=endpoint)
+    assert r.returncode == 0, r.stderr
+    warnings = [line for line in r.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "no enabled lifecycle rule expiring 'kvdi/'" in warnings[0] and bucket in warnings[0]
+    other = {"ID": "logs", "Filter": {"Prefix": "logs/"}, "Status": "Enabled", "Expiration": {"Days": 1}}
+    rule = {"ID": "kvdi", "Filter": {"Prefix": "kvdi/"}, "Status": "Enabled", "Expiration": {"Days": 3}}
+    client = raw_client(endpoint)
+    client.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": [other]})
+    assert "lifecycle" in kvdi_check(KVDI_S3__BUCKET=bucket, KVDI_S3__ENDPOINT_URL=endpoint).stdout
+    client.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": [other, rule]})
+    r = kvdi_check(KVDI_S3__BUCKET=bucket, KVDI_S3__ENDPOINT_URL=endpoint)
+    assert r.returncode == 0 and "warning:" not in r.stdout, r.stdout
+
+
+def test_lifecycle_rules_the_credentials_cannot_read_are_unknown_not_absent() -> None:
+    """A 403 on GetBucketLifecycleConfiguration: the warning says the rules are unknown and names the right."""
+    import botocore.exceptions
+
+    from kvdi.connectors.s3 import S3Settings
+    from kvdi.connectors.s3.probe import lifecycle_warning
+
+    class Refusing:
+        def get_bucket_lifecycle_configuration(self, Bucket: str) -> None:
+            reply: dict[str, object] = {"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {"HTTPStatusCode": 403}}
+            raise botocore.exceptions.ClientError(reply, "GetBucketLifecycleConfiguration")  # type: ignore[arg-type]
+
+    warning = lifecycle_warning(S3Settings(bucket="kv-cache"), client=Refusing())
+    assert warning is not None and "lifecycle rules unknown" in warning and "s3:GetLifecycleConfiguration" in warning

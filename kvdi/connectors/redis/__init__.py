@@ -16,7 +16,9 @@ from kvdi.connectors.redis.breaker import BreakerOpenError, BreakerState, Circui
 from kvdi.connectors.redis.cluster import RedisClusterBlockStore
 from kvdi.connectors.redis.server import RedisBlockStore, RedisNode
 from kvdi.connectors.redis.wire import send_gathered
+from kvdi.connectors.store.codec import compressor_for
 from kvdi.connectors.store.framing import HEADER_SIZE
+from kvdi.connectors.store.integrity import frame_key
 from kvdi.masking import MASK, mask_url
 
 if TYPE_CHECKING:
@@ -32,11 +34,15 @@ def open_store(
     options: RedisSettings, layout: KVCacheSpec, settings: KvdiSettings
 ) -> RedisBlockStore | RedisClusterBlockStore:
     """The ``redis`` connector's backend: a store on the server or cluster ``KVDI_REDIS__URL`` names (lazy)."""
-    del settings  # keys are already seeded with the layout fingerprint
+    compressor = compressor_for(options.compression, frame_key(settings), "KVDI_REDIS__COMPRESSION")
     limit = HEADER_SIZE + layout.block_bytes + FRAME_ROOM
+    store: RedisBlockStore | RedisClusterBlockStore
     if options.cluster:
-        return RedisClusterBlockStore(options, max_object_bytes=limit)
-    return RedisBlockStore(options, max_object_bytes=limit)
+        store = RedisClusterBlockStore(options, max_object_bytes=limit)
+    else:
+        store = RedisBlockStore(options, max_object_bytes=limit)
+    store.compressor = compressor  # blocks are read whole then (codec.read_capabilities), not into the cache
+    return store
 
 
 __all__ = [

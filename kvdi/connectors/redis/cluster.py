@@ -52,6 +52,7 @@ from kvdi.errors import ConfigError
 from kvdi.masking import mask_url
 
 if TYPE_CHECKING:
+    from kvdi.connectors.store.codec import Compressor
     from kvdi.settings import RedisSettings
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class RedisClusterBlockStore:
     """Measured, not assumed: inside vLLM (CPU, loopback Redis) an asynchronous loading round took
     0.53 s against 0.26 s recomputed and 0.06-0.09 s loading synchronously, so ``auto`` loads Redis
     synchronously; ``KVDI_TRANSFER__ASYNC_LOAD=on`` still loads it beside the compute."""
+    compressor: Compressor | None = None  # KVDI_REDIS__COMPRESSION (set by open_store): blocks compressed on writes
 
     def __init__(self, options: RedisSettings, max_object_bytes: int | None = None) -> None:
         raw_url = options.url.get_secret_value()
@@ -159,7 +161,7 @@ class RedisClusterBlockStore:
         prefix, ttl_s = self._prefix, self.ttl_s
 
         def make(node: RedisNode, _names: list[bytes], index: list[int]) -> Exchange:
-            return write_exchange(node, prefix, [items[i] for i in index], ttl_s)
+            return write_exchange(node, prefix, [items[i] for i in index], ttl_s, self.compressor)
 
         for exchange, _index in self._run(keys, False, make):
             if isinstance(exchange.result, OSError):

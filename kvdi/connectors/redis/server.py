@@ -1,24 +1,21 @@
 """One Redis server: :class:`RedisNode` (the calls, behind a breaker) and :class:`RedisBlockStore` over it.
 
-Each block is one key (``key_prefix`` + hex of the block key) written with a single ``SET``
-(``EX`` when ``ttl_s`` is set), so a reader sees a whole object or nothing. Batches travel
-as one packed pipeline per server (one round trip), never in a transaction. Lookups use
-``STRLEN`` (an existence check that also sees empty values as absent); reads use
-``GETRANGE key 0 limit`` when the frame size is known, and read those replies off the socket
-with a bound (:mod:`.bounded`), so a huge value costs at most one frame of memory even on a
-server that ignores the range. ``get_into_many`` reads each frame off the socket straight into
-the pieces it is loaded into (on a CPU cache, the paged cache itself: no buffer, no copy, no
-allocation per load); the worker half verifies it there. Replies are read raw and classified
-(:mod:`.wire`): a reply of the wrong type is a bad object or a miss, never an exception from
-redis-py's callbacks.
+Each block is one key (``key_prefix`` + hex of the block key) written with a single ``SET`` (``EX`` when ``ttl_s``
+is set), so a reader sees a whole object or nothing. Batches travel as one packed pipeline per server (one round
+trip), never in a transaction. Lookups use ``STRLEN`` (an existence check that also sees empty values as absent);
+reads use ``GETRANGE key 0 limit`` when the frame size is known, and read those replies off the socket with a bound
+(:mod:`.bounded`), so a huge value costs at most one frame of memory even on a server that ignores the range.
+``get_into_many`` reads each frame off the socket straight into the pieces it is loaded into (on a CPU cache, the
+paged cache itself: no buffer, no copy, no allocation per load); the worker half verifies it there (with
+``compression`` set, blocks are compressed in ``put_many`` and read whole instead:
+:mod:`kvdi.connectors.store.codec`). Replies are read raw and classified (:mod:`.wire`): a reply of the wrong type
+is a bad object or a miss, never an exception from redis-py's callbacks.
 
-A dead or hung server costs a miss, not a stall: every call is bounded by
-``connect_timeout_s`` / ``op_timeout_s`` and never retried, and after
-``breaker_failures`` consecutive failures the node stops calling the server for
-``breaker_reset_s`` (reads answer as misses, writes raise :class:`ConnectionError` at
-once). Failures surface as builtin :class:`ConnectionError` / :class:`TimeoutError` /
-:class:`OSError` (anything redis-py raises on a garbled or unexpected reply included), and
-the URL's password is shown as ``***`` everywhere.
+A dead or hung server costs a miss, not a stall: every call is bounded by ``connect_timeout_s`` / ``op_timeout_s``
+and never retried, and after ``breaker_failures`` consecutive failures the node stops calling the server for
+``breaker_reset_s`` (reads answer as misses, writes raise :class:`ConnectionError` at once). Failures surface as
+builtin :class:`ConnectionError` / :class:`TimeoutError` / :class:`OSError` (anything redis-py raises on a garbled
+or unexpected reply included), and the URL's password is shown as ``***`` everywhere.
 """
 
 from __future__ import annotations
@@ -52,6 +49,7 @@ from kvdi.errors import ConfigError
 from kvdi.masking import mask_url
 
 if TYPE_CHECKING:
+    from kvdi.connectors.store.codec import Compressor
     from kvdi.settings import RedisSettings
 
 logger = logging.getLogger(__name__)
@@ -231,9 +229,11 @@ def read_exchange(
 
 
 def write_exchange(
-    node: RedisNode, prefix: bytes, items: Sequence[tuple[bytes, Sequence[Buffer]]], ttl_s: int | None
-) -> Exchange:
-    """One ``SET`` per item (replies read with :func:`~.wire.written`)."""
+    node: RedisNode, prefix: bytes, items: Sequence[tuple[bytes, Sequence[Buffer]]], ttl_s: int | None,
+    compressor: Compressor | None = None,
+) -> Exchange:  # fmt: skip
+    """One ``SET`` per item (replies read with :func:`~.wire.written`), compressed first with ``compressor``."""
+    items = items if compressor is None else compressor.frame_all(items)
     return Exchange(node, pack_sets(prefix, items, ttl_s), len(items), "put_many")
 
 
@@ -261,6 +261,7 @@ class RedisBlockStore:
     """Measured, not assumed: inside vLLM (CPU, loopback Redis) an asynchronous loading round took
     0.53 s against 0.26 s recomputed and 0.06-0.09 s loading synchronously, so ``auto`` loads Redis
     synchronously; ``KVDI_TRANSFER__ASYNC_LOAD=on`` still loads it beside the compute."""
+    compressor: Compressor | None = None  # KVDI_REDIS__COMPRESSION (set by open_store): blocks compressed on writes
 
     def __init__(self, options: RedisSettings, max_object_bytes: int | None = None) -> None:
         raw_url = options.url.get_secret_value()
@@ -344,7 +345,7 @@ class RedisBlockStore:
         """
         if not items:
             return 0
-        exchange = self.node.run(write_exchange(self.node, self._prefix, items, self.ttl_s))
+        exchange = self.node.run(write_exchange(self.node, self._prefix, items, self.ttl_s, self.compressor))
         if isinstance(exchange.result, OSError):
             raise exchange.result
         count = count_written(exchange, self._logged)

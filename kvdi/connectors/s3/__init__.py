@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING
 
 from kvdi.connectors.s3.settings import S3Settings
 from kvdi.connectors.s3.store import S3BlockStore
+from kvdi.connectors.store.codec import compressor_for
 from kvdi.connectors.store.framing import HEADER_SIZE
+from kvdi.connectors.store.integrity import frame_key
 
 if TYPE_CHECKING:
     from kvdi.layout import KVCacheSpec
@@ -24,8 +26,10 @@ FRAME_ROOM = 64
 
 def open_store(options: S3Settings, layout: KVCacheSpec, settings: KvdiSettings) -> S3BlockStore:
     """The ``s3`` connector's backend: a store on the bucket ``KVDI_S3__BUCKET`` names."""
-    del settings  # keys are already seeded with the layout fingerprint
-    return S3BlockStore(options, max_object_bytes=HEADER_SIZE + layout.block_bytes + FRAME_ROOM)
+    compressor = compressor_for(options.compression, frame_key(settings), "KVDI_S3__COMPRESSION")
+    store = S3BlockStore(options, max_object_bytes=HEADER_SIZE + layout.block_bytes + FRAME_ROOM)
+    store.compressor = compressor
+    return store
 
 
 __all__ = ["FRAME_ROOM", "S3BlockStore", "S3Settings", "open_store"]

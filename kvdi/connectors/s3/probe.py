@@ -5,13 +5,20 @@ created with ``If-None-Match: *``, created again (which must be refused with ``4
 that ignores the condition lets a second writer replace a published block, a warning), read back
 with a ranged ``GetObject``, deleted, and looked up once more (it must be gone). Any failure is an
 OSError naming the step and the right the credentials lack.
+
+:func:`lifecycle_warning` is ``kvdi check``'s one-line warning when no enabled lifecycle rule of
+the bucket expires kvdi's prefix: kvdi keeps no accounting of its own (docs/s3.md), so without
+such a rule the bucket only grows.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvdi.connectors.s3.client import Outcome, describe, outcome
+from kvdi.connectors.s3.client import Outcome, describe, make_client, outcome
+
+if TYPE_CHECKING:
+    from kvdi.connectors.s3.settings import S3Settings
 
 PROBE = b"kvdi-check"
 
@@ -55,3 +62,48 @@ def _second_put_refused(client: Any, bucket: str, name: str) -> bool:
             return True
         raise
     return False
+
+
+def expiry_rules(client: Any, bucket: str, prefix: str) -> list[dict[str, Any]] | None:
+    """The bucket's enabled lifecycle rules that expire objects under ``prefix`` (id, prefix, days).
+
+    No configuration is an empty list, no right to read it None; other failures raise as boto3 does.
+    """
+    try:
+        reply = client.get_bucket_lifecycle_configuration(Bucket=bucket)
+    except Exception as exc:
+        kind = outcome(exc)
+        if kind in (Outcome.ABSENT, Outcome.REFUSED):
+            return [] if kind is Outcome.ABSENT else None
+        raise
+    rules = []
+    for rule in reply.get("Rules", []):
+        rule_prefix = str((rule.get("Filter") or {}).get("Prefix", rule.get("Prefix", "")))
+        days = (rule.get("Expiration") or {}).get("Days")
+        if rule.get("Status") == "Enabled" and days and prefix.startswith(rule_prefix):
+            rules.append({"id": rule.get("ID", ""), "prefix": rule_prefix, "days": days})
+    return rules
+
+
+def lifecycle_warning(options: S3Settings, client: Any = None) -> str | None:
+    """One line when no enabled lifecycle rule expires ``options.key_prefix`` (or none can be read), else None."""
+    own = client is None
+    client = make_client(options) if own else client
+    where = f"s3 bucket {options.bucket!r}"
+    try:
+        rules = expiry_rules(client, options.bucket, options.key_prefix)
+    except Exception as exc:
+        rules, why = None, describe(exc)
+    else:
+        why = "no right to read them: s3:GetLifecycleConfiguration"
+    finally:
+        if own:
+            client.close()
+    if rules:
+        return None
+    if rules is None:
+        return f"{where}: lifecycle rules unknown ({why}); check that one expires {options.key_prefix!r} (docs/s3.md)"
+    return (
+        f"{where} has no enabled lifecycle rule expiring {options.key_prefix!r}: kvdi never deletes blocks on its "
+        "own, so the bucket grows without bound; add an expiration rule for the prefix (docs/s3.md)"
+    )

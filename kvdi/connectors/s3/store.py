@@ -2,13 +2,14 @@
 
 Each block is the object ``<key_prefix><hex block key>`` in one bucket, written by a single
 ``PutObject`` with ``If-None-Match: *``: S3 publishes an object whole or not at all, and the
-conditional create means the first complete copy of a block is the only one (a ``412`` says
-another writer published it first, which is a success: a block key names its content). The
-worker half discards an object whose frame fails its checks, after which a writer may publish
-it again. Reads are one ranged ``GetObject`` of at most one frame plus one byte per object: an
-object whose size (``Content-Range`` / ``Content-Length``) exceeds one frame is a counted miss
-whose body is never read. Lookups are ``HeadObject`` calls. Every batch runs on a small thread
-pool over boto3's pooled connections (:mod:`.client`).
+conditional create means the first complete copy of a block is the only one (a ``412`` says another
+writer published it first, which is a success: a block key names its content). The worker half
+discards an object whose frame fails its checks, after which a writer may publish it again. Reads
+are one ranged ``GetObject`` of at most one frame plus one byte per object: an object whose size
+(``Content-Range`` / ``Content-Length``) exceeds one frame is a counted miss whose body is never
+read. With ``compression`` set (:mod:`kvdi.connectors.store.codec`) a block is compressed before it
+is published: a smaller object, read whole by the same ranged read. Lookups are ``HeadObject``
+calls. Every batch runs on a small thread pool over boto3's pooled connections (:mod:`.client`).
 
 A dead or slow endpoint costs a miss, not a stall: every call is bounded by the timeouts and
 ``max_attempts``, and after ``breaker_failures`` consecutive failures the store stops calling
@@ -36,10 +37,12 @@ from kvdi.masking import mask_url
 
 if TYPE_CHECKING:
     from kvdi.connectors.s3.settings import S3Settings
+    from kvdi.connectors.store.codec import Compressor
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 PREFETCH_OBJECTS_PER_WORKER = 4  # reads kept ahead of the loads, per worker (each at most one frame)
+SAVE_BATCH_PER_WORKER = 4  # blocks per put_many the worker half is asked to send, per worker (writes.py)
 UNSIZED_READ_BYTES = 1 << 30  # the bound of a read whose frame size the store was not told
 _TOTAL = re.compile(r"^bytes \d+-\d+/(\d+)$")
 
@@ -49,6 +52,8 @@ class S3BlockStore:
 
     prefers_async_load = True
     """Every read is a network round trip to an object store: load beside the compute (``auto`` prefetches)."""
+    compressor: Compressor | None = None
+    """Re-frames blocks compressed before they are written (``KVDI_S3__COMPRESSION``, set by ``open_store``)."""
 
     def __init__(self, options: S3Settings, max_object_bytes: int | None = None, client: Any = None) -> None:
         self.bucket = options.bucket
@@ -66,6 +71,8 @@ class S3BlockStore:
         self._workers = options.workers
         self._ahead: OrderedDict[bytes, Future[Buffer | None]] = OrderedDict()
         self._ahead_cap = PREFETCH_OBJECTS_PER_WORKER * options.workers
+        self.save_batch_blocks = SAVE_BATCH_PER_WORKER * options.workers
+        """Blocks per ``put_many`` that keep every connection busy (one object per request): saves come so batched."""
 
     def __repr__(self) -> str:
         return f"S3BlockStore({self.label!r}, key_prefix={self.key_prefix!r}, breaker={self.breaker.state.value})"
@@ -219,7 +226,7 @@ class S3BlockStore:
 
     def _put(self, item: tuple[bytes, Sequence[Buffer]], errors: list[BaseException]) -> bool:
         key, pieces = item
-        body = b"".join(pieces)
+        body = b"".join(pieces if self.compressor is None else self.compressor.frame(key, pieces))
         try:
             self.client.put_object(Bucket=self.bucket, Key=self.name(key), Body=body, IfNoneMatch="*")
         except Exception as exc:

@@ -4,26 +4,36 @@ Header (88 bytes, little-endian)::
 
     magic     4s   b"KVDI"
     version   u16  FRAME_VERSION (2: the MAC field was added; 3: the name field was added)
-    flags     u16  bit 0 (FLAG_MAC): the frame carries a keyed MAC; no other bit is defined
+    flags     u16  bit 0 (FLAG_MAC): the frame carries a keyed MAC;
+                   bit 1 (FLAG_ZSTD): the payload is stored zstd-compressed; no other bit is defined
     layout    16s  KVCacheSpec.fingerprint()
     name      16s  the block key the object is stored under (BLAKE2b-128 of it when not 16 bytes)
-    length    u64  payload bytes
+    length    u64  payload bytes as stored (compressed: fewer than ``layout.block_bytes``)
     checksum  u64  xxh3_64(payload || header[:48]) (always written; covers the name)
     mac       32s  HMAC-SHA256(key, payload || header[:56]) when FLAG_MAC is set, else 32 zero bytes
 
 The payload is layer 0's block (K then V), layer 1's block, ... contiguous, exactly
-``layout.block_bytes`` long. A reader checks every header field and then the payload and
-raises :class:`CorruptObjectError` with a short ``reason`` for the first thing that is off,
-so any single corrupted byte anywhere in an unkeyed frame is detected. A frame names the block
-key it was written for and every reader passes the key it looked up (``name=``): an object
-copied or renamed under another block's name (another prompt, salt, rank or layout) is a miss
-(reason ``name``), with or without a key.
+``layout.block_bytes`` long, or (``FLAG_ZSTD``) one zstd frame that decompresses to exactly that
+(:mod:`.codec`: network stores with ``compression`` set write such frames; any reader decompresses
+them into its destination with the output bounded to ``block_bytes``). A reader checks every header
+field and then the payload and raises :class:`CorruptObjectError` with a short ``reason`` for the
+first thing that is off, so any single corrupted byte anywhere in an unkeyed frame is detected. A
+frame names the block key it was written for and every reader passes the key it looked up
+(``name=``): an object copied or renamed under another block's name (another prompt, salt, rank or
+layout) is a miss (reason ``name``), with or without a key.
 
 The checksum stops accidents, not a writer with access to the store. With a
 :class:`FrameKey` (``KVDI_INTEGRITY_KEY``), writers add the keyed MAC and readers accept only
 frames whose MAC verifies under that key: an unkeyed frame, or one made with another key, is a
 miss (reason ``mac``). A reader without a key checks the xxh3 checksum of any frame. Every
 function below takes ``key=None`` by default, so callers that pass no key keep working.
+
+Compression kept the frame version: an uncompressed frame is byte for byte what it was, and a
+reader from before ``FLAG_ZSTD`` rejects any unknown flag (reason ``header``), so it counts a
+compressed frame as a miss and never loads its bytes. The checksum and the MAC cover the payload
+as stored (compressed) and the header, so a corrupted compressed object is caught before any
+decompression; a compressed payload that does not decompress to exactly ``block_bytes`` is a
+miss (reason ``codec``).
 """
 
 from __future__ import annotations
@@ -43,17 +53,21 @@ MAGIC = b"KVDI"
 FINGERPRINT_BYTES = 16
 MAC_BYTES = 32
 FLAG_MAC = 1
+FLAG_ZSTD = 2
+KNOWN_FLAGS = FLAG_MAC | FLAG_ZSTD
 NAME_BYTES = 16
 _CHECKED = struct.Struct("<4sHH16s16sQ")  # everything the checksum covers besides the payload
 _FIELDS = struct.Struct("<4sHH16s16sQQ")  # everything the MAC covers besides the payload
 _HEADER = struct.Struct(f"<4sHH16s16sQQ{MAC_BYTES}s")
+_LENGTH = struct.Struct("<Q")
+_LENGTH_AT = 40  # offset of the length field
 HEADER_SIZE = _HEADER.size  # 88: keeps the payload 8-byte aligned
 _NO_MAC = bytes(MAC_BYTES)
 MIN_KEY_BYTES = 16
 
 Buffer = bytes | bytearray | memoryview
 
-REASONS = ("magic", "version", "header", "fingerprint", "name", "length", "checksum", "mac")
+REASONS = ("magic", "version", "header", "fingerprint", "name", "length", "checksum", "mac", "codec")
 
 
 class CorruptObjectError(KvdiError):
@@ -115,29 +129,53 @@ def pack_header(
 
 
 def frame_header(
-    fingerprint: bytes, payload: Buffer | Sequence[Buffer], key: FrameKey | None = None, *, name: Buffer
+    fingerprint: bytes,
+    payload: Buffer | Sequence[Buffer],
+    key: FrameKey | None = None,
+    *,
+    name: Buffer,
+    codec: int = 0,
 ) -> bytes:
     """The header to write before ``payload`` (one buffer, or pieces stored back to back) stored under the
-    block key ``name``; MACed with ``key``. The checksum and the MAC both cover the name."""
+    block key ``name``; MACed with ``key``. The checksum and the MAC both cover the name. ``codec``:
+    :data:`FLAG_ZSTD` when ``payload`` is the compressed block (see :mod:`.codec`), else 0."""
+    if codec & ~FLAG_ZSTD:
+        raise ValueError(f"codec must be 0 or FLAG_ZSTD ({FLAG_ZSTD}), got {codec}")
     pieces: Sequence[Buffer] = [payload] if isinstance(payload, bytes | bytearray | memoryview) else payload
     length = sum(memoryview(p).nbytes for p in pieces)
-    flags = 0 if key is None else FLAG_MAC
+    flags = (0 if key is None else FLAG_MAC) | codec
     checked = _CHECKED.pack(MAGIC, FRAME_VERSION, flags, fingerprint, name_field(name), length)
     digest = checksum([*pieces, checked])
     if key is None:
-        return pack_header(fingerprint, name, length, digest)
+        return pack_header(fingerprint, name, length, digest, flags)
     mac = key.mac()
     for piece in pieces:
         mac.update(piece)
     mac.update(checked + digest.to_bytes(8, "little"))
-    return pack_header(fingerprint, name, length, digest, FLAG_MAC, mac.digest())
+    return pack_header(fingerprint, name, length, digest, flags, mac.digest())
 
 
 def check_header(header: Buffer, fingerprint: bytes, expected_len: int, *, name: Buffer) -> int:
     """Validate a header against this layout and the block key ``name``; return the checksum it promises.
 
-    This checks the fields only (checksum and MAC need the payload: see :class:`PayloadHasher`).
+    This checks the fields only (checksum and MAC need the payload: see :class:`PayloadHasher`). A
+    compressed frame's stored length may be anything from 1 to ``expected_len`` (:func:`stored_length`).
     """
+    return read_header(header, fingerprint, expected_len, name=name)[0]
+
+
+def stored_length(header: Buffer) -> int:
+    """The payload bytes a (checked) header says are stored after it."""
+    return int(_LENGTH.unpack_from(memoryview(header).cast("B"), _LENGTH_AT)[0])
+
+
+def frame_codec(header: Buffer) -> int:
+    """The codec flag of a (checked) header: :data:`FLAG_ZSTD` or 0 (the payload is stored as it is)."""
+    return int(memoryview(header).cast("B")[6]) & FLAG_ZSTD
+
+
+def read_header(header: Buffer, fingerprint: bytes, expected_len: int, *, name: Buffer) -> tuple[int, int]:
+    """:func:`check_header`, returning the checksum the header promises and the payload length it stores."""
     view = memoryview(header).cast("B")
     if view.nbytes < HEADER_SIZE:
         raise CorruptObjectError("length", f"object of {view.nbytes} B is shorter than a {HEADER_SIZE} B header")
@@ -146,17 +184,20 @@ def check_header(header: Buffer, fingerprint: bytes, expected_len: int, *, name:
         raise CorruptObjectError("magic", f"expected {MAGIC!r}, got {bytes(magic)!r}")
     if version != FRAME_VERSION:
         raise CorruptObjectError("version", f"format version {version}, this kvdi reads {FRAME_VERSION}")
-    if flags & ~FLAG_MAC:
+    if flags & ~KNOWN_FLAGS:
         raise CorruptObjectError("header", f"unknown flags {flags:#x}")
-    if (flags == FLAG_MAC) == (mac == _NO_MAC):  # a MAC flag with no MAC, or MAC bytes without the flag
+    if bool(flags & FLAG_MAC) == (mac == _NO_MAC):  # a MAC flag with no MAC, or MAC bytes without the flag
         raise CorruptObjectError("header", "the MAC flag and the MAC field disagree")
     if layout != fingerprint:
         raise CorruptObjectError("fingerprint", "object was written for another KV layout (model, dtype or block size)")
     if stored_name != name_field(name):
         raise CorruptObjectError("name", "object was written for another block (copied or renamed in the store)")
-    if length != expected_len:
+    if flags & FLAG_ZSTD:
+        if not 0 < length <= expected_len:
+            raise CorruptObjectError("length", f"header says {length} B compressed, at most {expected_len} B allowed")
+    elif length != expected_len:
         raise CorruptObjectError("length", f"header says {length} B of payload, layout needs {expected_len} B")
-    return int(digest)
+    return int(digest), int(length)
 
 
 class PayloadHasher:
@@ -181,9 +222,9 @@ class PayloadHasher:
 
     def verify(self, header: Buffer, fingerprint: bytes, expected_len: int, *, name: Buffer) -> None:
         """Raise :class:`CorruptObjectError` unless header and payload form a valid frame of block ``name``."""
-        digest = check_header(header, fingerprint, expected_len, name=name)
-        if self.nbytes != expected_len:
-            raise CorruptObjectError("length", f"read {self.nbytes} B of payload, expected {expected_len} B")
+        digest, length = read_header(header, fingerprint, expected_len, name=name)
+        if self.nbytes != length:
+            raise CorruptObjectError("length", f"read {self.nbytes} B of payload, expected {length} B")
         view = memoryview(header).cast("B")
         if self._mac is None:
             if self._xxh is None:
@@ -203,12 +244,13 @@ def unframe(
     buf: Buffer, fingerprint: bytes, expected_len: int, key: FrameKey | None = None, *, name: Buffer
 ) -> memoryview:
     """The payload of a whole frame stored under block key ``name``, checked field by field (and its MAC
-    with ``key``); raises CorruptObjectError."""
+    with ``key``); raises CorruptObjectError. A compressed frame's payload is returned as stored:
+    see :func:`frame_codec`, and :func:`kvdi.connectors.store.codec.unframe_into` to place it."""
     view = memoryview(buf).cast("B")
-    digest = check_header(view[:HEADER_SIZE], fingerprint, expected_len, name=name)
-    if view.nbytes != HEADER_SIZE + expected_len:
-        what = "truncated" if view.nbytes < HEADER_SIZE + expected_len else "has trailing bytes"
-        expected = HEADER_SIZE + expected_len
+    digest, length = read_header(view[:HEADER_SIZE], fingerprint, expected_len, name=name)
+    if view.nbytes != HEADER_SIZE + length:
+        what = "truncated" if view.nbytes < HEADER_SIZE + length else "has trailing bytes"
+        expected = HEADER_SIZE + length
         raise CorruptObjectError("length", f"object of {view.nbytes} B {what} (expected {expected} B)")
     payload = view[HEADER_SIZE:]
     if key is None:  # the common case: no hasher object
@@ -240,8 +282,10 @@ def verify_pieces(
 
 __all__ = [
     "FLAG_MAC",
+    "FLAG_ZSTD",
     "FRAME_VERSION",
     "HEADER_SIZE",
+    "KNOWN_FLAGS",
     "MAC_BYTES",
     "MAGIC",
     "NAME_BYTES",
@@ -252,9 +296,12 @@ __all__ = [
     "PayloadHasher",
     "check_header",
     "checksum",
+    "frame_codec",
     "frame_header",
     "name_field",
     "pack_header",
+    "read_header",
+    "stored_length",
     "unframe",
     "verify_pieces",
 ]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from kvdi.connectors.base import ConnectorStats
+from kvdi.connectors.store.codec import unframe_into
 from kvdi.connectors.store.framing import (
     HEADER_SIZE,
     Buffer,
@@ -24,7 +25,7 @@ from kvdi.connectors.store.framing import (
     FrameKey,
     PayloadHasher,
     check_header,
-    unframe,
+    frame_codec,
     verify_pieces,
 )
 from kvdi.connectors.store.protocol import BlockStore, ReadIntoStore, StoreCapabilities, ViewStore
@@ -66,6 +67,8 @@ def place_frame(
     """
     view = memoryview(frame).cast("B")
     check_header(view[:HEADER_SIZE], fingerprint, block_bytes, name=name)
+    if frame_codec(view[:HEADER_SIZE]):  # compressed (network stores): checked whole, decompressed into place
+        return unframe_into(view, pieces, fingerprint, block_bytes, mac_key, name=name)
     if view.nbytes != HEADER_SIZE + block_bytes:
         raise CorruptObjectError("length", f"object of {view.nbytes} B, expected {HEADER_SIZE + block_bytes} B")
     hasher = PayloadHasher(mac_key)
@@ -158,7 +161,7 @@ def verify_chunk(
                     raise CorruptObjectError("length", f"object of {size} B, expected {frame_bytes} B")
                 verify_pieces(chunk.headers[i], chunk.pieces[i], fingerprint, block_bytes, mac_key, name=key)
             else:
-                io.copy_payload(unframe(obj, fingerprint, block_bytes, mac_key, name=key), chunk.pieces[i])
+                unframe_into(obj, chunk.pieces[i], fingerprint, block_bytes, mac_key, name=key)
         except CorruptObjectError as exc:
             stats.corrupt_dropped += 1
             log_once(f"corrupt:{exc.reason}", "dropping a stored block: %s", exc)

@@ -30,15 +30,16 @@ from kvdi.connectors.base import (
     WorkerConnector,
 )
 from kvdi.connectors.logging_once import log_once
+from kvdi.connectors.store.codec import read_capabilities
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.integrity import frame_key
 from kvdi.connectors.store.prefetch import HostStaging
-from kvdi.connectors.store.protocol import StoreCapabilities, require_store, written_count
+from kvdi.connectors.store.protocol import require_store
 from kvdi.connectors.store.reads import Readahead, ReadChunk, place_frame, read_chunk, verify_chunk
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue, add_stats
 from kvdi.connectors.store.worker_prefetch import WorkerPrefetch
-from kvdi.connectors.store.writes import BlockWriter
+from kvdi.connectors.store.writes import BlockWriter, save_batch_blocks
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +61,7 @@ class StoreWorkerConnector(WorkerConnector):
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         self.store = require_store(context)
-        self.capabilities = StoreCapabilities.of(self.store)  # protocol checks are slow: once, here
+        self.capabilities = read_capabilities(self.store)  # protocol checks are slow: once, here
         layout = context.layout
         transfer = context.settings.transfer
         self.io_thread: bool | None = _IO_THREAD[transfer.io_thread]  # overlap store calls (None: with 4+ CPUs)
@@ -69,6 +70,7 @@ class StoreWorkerConnector(WorkerConnector):
         self._block_bytes = layout.block_bytes
         self._frame_bytes = HEADER_SIZE + layout.block_bytes
         self._chunk = max(1, CHUNK_BYTES // layout.block_bytes)
+        self._save_batch = save_batch_blocks(self.store)  # a remote store's batch, 0 for others (:mod:`.writes`)
         self._device_chunk = max(1, DEVICE_CHUNK_BYTES // layout.block_bytes)
         self._readahead = max(self._chunk, READAHEAD_BYTES // layout.block_bytes)  # blocks
         self._ios: CacheIOs | None = None  # this registration's cache access and its jobs' staging
@@ -76,7 +78,7 @@ class StoreWorkerConnector(WorkerConnector):
         self._fetcher: ThreadPoolExecutor | None = None
         self._cpus: int | None = None
         self._queue = TransferQueue(self.name, transfer.max_inflight_bytes, load_threads=transfer.load_threads)
-        self._writer = BlockWriter(self.store, self._fingerprint, self._key)  # frames saves (:mod:`.writes`)
+        self._writer = BlockWriter(self.store, self._fingerprint, self._key, layout.block_bytes, self._log_once)
         self.staging = HostStaging.of(self.store, transfer, self._frame_bytes, self.name)  # :mod:`.prefetch`
         self.prefetching = WorkerPrefetch(self.store, self.capabilities, self.staging, self.stats)
         self._async_save = transfer.async_save
@@ -87,7 +89,7 @@ class StoreWorkerConnector(WorkerConnector):
         self._block_event: Callable[[bool, bytes], None] | None = None  # :meth:`watch_blocks` (KV cache events)
 
     def watch_blocks(self, event: Callable[[bool, bytes], None]) -> None:  # :class:`..base.BlockEventSource`
-        self._block_event = event
+        self._block_event = self._writer.block_event = event
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         from kvdi.connectors.store.blockio import CacheIOs
@@ -118,9 +120,10 @@ class StoreWorkerConnector(WorkerConnector):
             raise RuntimeError(f"connector {self.name!r}: register_kv_caches() was not called before a transfer")
         return self._ios
 
-    def _blocks_per_call(self, io: CacheIO) -> int:
-        """Blocks per store call: about :data:`CHUNK_BYTES` from a CPU cache, a staging chunk from a device cache."""
-        return self._chunk if io.direct else io.chunk
+    def _blocks_per_call(self, io: CacheIO, save: bool = False) -> int:
+        """Blocks per store call: about :data:`CHUNK_BYTES` from a CPU cache (saves: a remote store's batch if
+        larger), a staging chunk from a device cache."""
+        return (max(self._chunk, self._save_batch) if save else self._chunk) if io.direct else io.chunk
 
     def _overlap(self, io: CacheIO) -> bool:
         """Whether store calls overlap checksums on other threads (``io_thread``; never on a device cache)."""
@@ -323,7 +326,7 @@ class StoreWorkerConnector(WorkerConnector):
                 self._save_now(ios.io, meta.saves)
 
     def _queue_save(self, ios: CacheIOs, fence: object, transfer: BlockTransfer) -> None:
-        ids, keys, chunk = transfer.block_ids, transfer.block_keys, self._blocks_per_call(ios.io)
+        ids, keys, chunk = transfer.block_ids, transfer.block_keys, self._blocks_per_call(ios.io, save=True)
         for start in range(0, len(ids), chunk):
             span = slice(start, start + chunk)
             job = partial(self._save_job, ios, fence, transfer.request_id, ids[span], keys[span])
@@ -340,7 +343,7 @@ class StoreWorkerConnector(WorkerConnector):
         try:
             with io.on_side_stream(fence):
                 pieces = io.save_pieces(ids)
-            self._settle(out.stats, len(keys), self._writer.call(pieces, keys), keys)
+            self._writer.settle(out.stats, len(keys), self._writer.call(pieces, keys), keys)
         finally:
             ios.give_back(io)
         return out
@@ -349,7 +352,7 @@ class StoreWorkerConnector(WorkerConnector):
         executor = self._background(io)
         ids = [b for t in saves for b in t.block_ids]
         keys = [k for t in saves for k in t.block_keys]
-        n = self._blocks_per_call(io)
+        n = self._blocks_per_call(io, save=True)
         spans = [slice(s, s + n) for s in range(0, len(ids), n)]
         tickets = [io.start_save(ids[spans[0]])] if spans else []
         writing: tuple[Future[object], Sequence[bytes]] | None = None
@@ -359,30 +362,13 @@ class StoreWorkerConnector(WorkerConnector):
                 tickets.append(io.start_save(ids[spans[k + 1]]))  # a device cache: copied out while this is written
             call = self._writer.call(pieces, keys[span])
             if executor is None:
-                self._settle(self.stats, len(keys[span]), call, keys[span])
+                self._writer.settle(self.stats, len(keys[span]), call, keys[span])
                 continue
             if writing is not None:
-                self._settle(self.stats, len(writing[1]), writing[0].result, writing[1])
+                self._writer.settle(self.stats, len(writing[1]), writing[0].result, writing[1])
             writing = (executor.submit(call), keys[span])
         if writing is not None:
-            self._settle(self.stats, len(writing[1]), writing[0].result, writing[1])
-
-    def _settle(self, stats: ConnectorStats, count: int, finish: Callable[[], object], keys: Sequence[bytes]) -> None:
-        """Run or wait for one put_many of ``count`` blocks and count the outcome; nothing is ever raised."""
-        try:
-            written = written_count(finish(), count)
-        except Exception as exc:
-            stats.save_failures += count
-            self._log_once(f"save:{type(exc).__name__}", "saving KV failed, blocks not stored: %r", exc)
-            return
-        if written < count:
-            self._log_once("save:partial", "the store wrote %d of %d blocks", written, count)
-        stats.save_failures += count - written
-        if self._block_event is not None and written == count:  # which of a partial batch landed is unknown
-            for key in keys:
-                self._block_event(True, key)
-        stats.saved_blocks += written
-        stats.saved_bytes += written * self._block_bytes
+            self._writer.settle(self.stats, len(writing[1]), writing[0].result, writing[1])
 
     def shutdown(self) -> None:
         """Finish every queued transfer, then stop the threads."""
