@@ -263,11 +263,18 @@ def test_a_corrupted_compressed_object_is_a_counted_miss(stores: Callable[[str, 
     assert reader.worker.stats.corrupt_dropped == 1 and reader.worker.stats.loaded_blocks == 0
 
 
-def test_a_plain_reader_loads_compressed_frames_from_a_compressing_writer(stores: Callable[[str, str], Any]) -> None:
-    """An engine with compression ``none`` on the same bucket reads what a ``zstd`` engine wrote (get_many path)."""
-    store = stores("s3", "zstd")
+@pytest.mark.parametrize("kind", ["s3", "redis"])
+def test_a_plain_reader_loads_compressed_frames_from_a_compressing_writer(
+    stores: Callable[[str, str], Any], kind: str
+) -> None:
+    """An engine with compression ``none`` on the same store reads what a ``zstd`` engine wrote: s3 through
+    get_many; Redis reads straight into the cache, finds an object shorter than a frame and reads it whole,
+    never dropping another engine's block as corrupt."""
+    store = stores(kind, "zstd")
     Halves(store, seed=None).prefill()
     store.compressor = None
+    assert read_capabilities(store).read_into is (kind == "redis")
     reader = Halves(store, seed=99)
     assert reader.prefill() == (16, set())
-    assert reader.worker.stats.loaded_blocks == 4
+    assert reader.worker.stats.loaded_blocks == 4 and reader.worker.stats.corrupt_dropped == 0
+    assert len(stored_sizes(store)) == 4

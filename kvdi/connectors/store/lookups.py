@@ -27,9 +27,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
-from kvdi.connectors.store.protocol import BlockStore
+from kvdi.connectors.store.protocol import BatchLookupStore, BlockStore
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +45,6 @@ LOOKUP_TTL_S = 2.0
 def signature(first: int, keys: Sequence[bytes]) -> tuple[int, int, bytes]:
     """What a lookup asks, in a few bytes: from block ``first``, ``len(keys)`` keys ending with the last one."""
     return first, len(keys), keys[-1] if keys else b""
-
-
-@runtime_checkable
-class BatchLookupStore(Protocol):
-    """Optional capability: the existence checks of several requests in one round trip."""
-
-    def count_prefix_many(self, key_lists: Sequence[Sequence[bytes]]) -> list[int]:
-        """:meth:`~.protocol.BlockStore.count_prefix` of each of ``key_lists``, in one call to the medium."""
-        ...
 
 
 @dataclass

@@ -183,6 +183,15 @@ class HealthStore(Protocol):
         ...
 
 
+@runtime_checkable
+class BatchLookupStore(Protocol):
+    """Optional capability: the existence checks of several requests in one round trip."""
+
+    def count_prefix_many(self, key_lists: Sequence[Sequence[bytes]]) -> list[int]:
+        """:meth:`BlockStore.count_prefix` of each of ``key_lists``, in one call to the medium."""
+        ...
+
+
 OPTIONAL_CAPABILITIES: tuple[type, ...] = (
     ReadIntoStore,
     ViewStore,
@@ -194,6 +203,7 @@ OPTIONAL_CAPABILITIES: tuple[type, ...] = (
     EvictingStore,
     CompositeStore,
     HealthStore,
+    BatchLookupStore,
 )
 """Every optional capability a store may declare, read by :meth:`StoreCapabilities.of` (``docs/store-backend.md``
 lists the same, a test keeps them equal)."""
@@ -280,6 +290,7 @@ __all__ = [
     "HIT_SOURCES",
     "OPTIONAL_CAPABILITIES",
     "AsyncLoadStore",
+    "BatchLookupStore",
     "BlockStore",
     "CheckedStore",
     "CompositeStore",
