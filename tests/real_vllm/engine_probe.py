@@ -8,6 +8,7 @@ the result gains ``probes``:
   (the last requests' saves are still held then);
 - ``pending_push_work_at_end`` / ``requests_at_end``: the same once the engine drained;
 - ``preemptions``: how many times vLLM preempted a running request;
+- ``step_clock``: whether ``slow_store``'s hold counts this engine's scheduler steps;
 - ``pending_frees_consulted`` / ``pending_frees_true``: how often vLLM asked
   ``has_pending_block_frees()`` instead of preempting, and how often kvdi answered True.
 
@@ -58,6 +59,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
             scheduler._preempt_request = counted_preempt
             connector.has_pending_block_frees = counted_frees
+            probes["step_clock"] = "slow_store" in sys.modules
+            if probes["step_clock"]:  # the slow store's hold counts this engine's steps, not seconds
+                tick, schedule = sys.modules["slow_store"].tick, scheduler.schedule
+
+                def ticked_schedule(*args: Any, **kw: Any) -> Any:
+                    tick()
+                    return schedule(*args, **kw)
+
+                scheduler.schedule = ticked_schedule
 
         def generate(self, prompts: Any, params: Any, **kwargs: Any) -> Any:
             if spec.get("max_tokens_each"):  # requests that end at different steps

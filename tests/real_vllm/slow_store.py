@@ -2,8 +2,11 @@
 
 Loaded by name through ``kvdi.kv_connector_module_path=slow_store`` (the engine scripts' directory
 is on ``sys.path``), the way a user plugs in their own medium. ``slow_storage``: every ``put_many``
-waits :data:`WRITE_DELAY_S` first, like a store across a slow network, so a finished request's
-queued saves keep its blocks held (``delay_free``) for several engine steps. ``slow_reads``: every
+waits first, like a store across a slow network, so a finished request's queued saves keep its
+blocks held (``delay_free``) for several engine steps: :data:`HOLD_STEPS` scheduler steps when the
+engine's scheduler ticks :func:`tick` (``engine_probe.py`` does), or until the engine has been idle
+:data:`IDLE_S`, so the hold spans the same steps however slow the machine is; :data:`WRITE_DELAY_S`
+seconds when nothing ticks. ``slow_reads``: every
 ``get_many`` waits :data:`READ_DELAY_S`, like a remote store, so prefetches at lookup stay in flight
 for several engine steps.
 """
@@ -24,13 +27,34 @@ from kvdi.settings.sections import SharedStorageSettings
 
 WRITE_DELAY_S = 1.0
 READ_DELAY_S = 0.3
+HOLD_STEPS = 64
+IDLE_S = 0.5
+HOLD_MAX_S = 20.0
+_clock = {"steps": 0, "last": 0.0}
+
+
+def tick() -> None:
+    """One scheduler step of the engine in this process (called by ``engine_probe.py``'s scheduler wrapper)."""
+    _clock["steps"] += 1
+    _clock["last"] = time.monotonic()
+
+
+def _hold() -> None:
+    if not _clock["steps"]:
+        time.sleep(WRITE_DELAY_S)
+        return
+    start, give_up = _clock["steps"], time.monotonic() + HOLD_MAX_S
+    while _clock["steps"] < start + HOLD_STEPS and time.monotonic() - _clock["last"] < IDLE_S:
+        if time.monotonic() > give_up:
+            return
+        time.sleep(0.005)
 
 
 class SlowWrites(FileBlockStore):
-    """:class:`FileBlockStore` whose writes take :data:`WRITE_DELAY_S` longer."""
+    """:class:`FileBlockStore` whose writes wait first (:func:`_hold`)."""
 
     def put_many(self, items: Sequence[tuple[bytes, Sequence[Any]]]) -> Any:
-        time.sleep(WRITE_DELAY_S)
+        _hold()
         return super().put_many(items)
 
 

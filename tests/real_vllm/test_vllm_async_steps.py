@@ -84,6 +84,7 @@ def test_a_full_cache_waits_for_kvdis_held_blocks_instead_of_preempting(
     for result in (with_hook, without):
         assert [t[:8] for t in result["rounds"][0]["tokens"]] == baseline_tokens
         assert_drained(result)
+    assert with_hook["probes"]["step_clock"] and without["probes"]["step_clock"]  # holds span steps, not seconds
     assert with_hook["probes"]["pending_frees_true"] >= 1  # vLLM waited for held blocks
     assert preempted["with"] < preempted["without"]
     assert read_stats(work / "stats", "worker")["saved_blocks"] == expected_saved(prompts)
