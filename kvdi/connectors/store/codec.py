@@ -1,4 +1,5 @@
-"""Lossless compression of stored frames for network and object stores (``compression`` = none | zstd | auto).
+"""Lossless compression of stored frames for network and object stores (``compression`` = none | zstd |
+zstd-split | auto).
 
 A store whose ``compression`` is set re-frames each block it is about to write
 (:class:`Compressor`): the payload becomes one zstd frame (level 1: the fast end; KV of real models
@@ -7,7 +8,10 @@ compresses by its exponent bytes, which level 1 already finds), the header gets
 bytes. ``zstd`` keeps every block that got smaller; ``auto`` keeps only a block that saved at least
 :data:`AUTO_MIN_SAVING` and stores the rest as they are (a block of 256 KiB or more is judged by a
 64 KiB sample first, so random-looking KV costs a sample's compression on save and nothing at read
-time). Either way a block never grows, so an object stays within one frame's read bound.
+time). ``zstd-split`` is the dense codec: the block's bytes are first grouped by their position in the
+layout's element (:mod:`.codec_split`: for bf16 all high bytes, then all low bytes) and the frame
+gets :data:`~.framing.FLAG_SPLIT` too. Either way a block never grows, so an object stays within one
+frame's read bound.
 
 Any reader places a compressed frame (:func:`unframe_into`): the checksum or MAC is checked over
 the stored bytes first, then zstd decompresses straight into the destination pieces, reading at
@@ -23,8 +27,11 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from kvdi.connectors.store.codec_split import element_size, join_into, split_bytes
 from kvdi.connectors.store.framing import (
+    CODEC_FLAGS,
     FLAG_MAC,
+    FLAG_SPLIT,
     FLAG_ZSTD,
     HEADER_SIZE,
     MAGIC,
@@ -38,8 +45,9 @@ from kvdi.connectors.store.framing import (
 from kvdi.connectors.store.protocol import BlockStore, StoreCapabilities, leaf_stores
 from kvdi.errors import ConfigError
 
-Compression = Literal["none", "zstd", "auto"]
-COMPRESSIONS: tuple[str, ...] = ("none", "zstd", "auto")
+Compression = Literal["none", "zstd", "zstd-split", "auto"]
+COMPRESSIONS: tuple[str, ...] = ("none", "zstd", "zstd-split", "auto")
+CODECS = ("zstd", "zstd-split", "auto")
 AUTO_MIN_SAVING = 0.10
 """``auto`` stores a block compressed only when that saves at least this fraction of its bytes."""
 ZSTD_LEVEL = 1
@@ -56,7 +64,7 @@ def zstd_module(option: str = "compression") -> Any:
         import zstandard
     except ImportError:
         raise ConfigError(
-            f"{option}=zstd/auto needs the zstandard package, which is not installed "
+            f"{option}=zstd/zstd-split/auto needs the zstandard package, which is not installed "
             "(pip install zstandard, or kvdi's s3 / redis extra); or set it to none"
         ) from None
     return zstandard
@@ -71,18 +79,23 @@ def _contexts() -> tuple[Any, Any]:
 
 
 class Compressor:
-    """Re-frames blocks compressed for one store (``mode`` ``zstd`` or ``auto``); counts what it stored.
+    """Re-frames blocks compressed for one store (``mode`` ``zstd``, ``zstd-split`` or ``auto``); counts what
+    it stored.
 
     ``key`` is the engine's integrity key (``KVDI_INTEGRITY_KEY``): a frame the writer MACed is
     MACed again over its compressed bytes (without the key such a frame is stored as it is).
+    ``element_bytes`` is the layout's dtype size, the split of ``zstd-split`` (1: plain zstd).
     """
 
-    def __init__(self, mode: Compression, key: FrameKey | None = None, option: str = "compression") -> None:
-        if mode not in ("zstd", "auto"):
-            raise ConfigError(f"{option}={mode!r} is not a codec; allowed: zstd, auto (none: no Compressor)")
+    def __init__(
+        self, mode: Compression, key: FrameKey | None = None, option: str = "compression", element_bytes: int = 2
+    ) -> None:
+        if mode not in CODECS:
+            raise ConfigError(f"{option}={mode!r} is not a codec; allowed: {', '.join(CODECS)} (none: no Compressor)")
         zstd_module(option)  # fail at start, with the option's name, not at the first save
         self.mode = mode
         self._key = key
+        self._split = element_bytes if mode == "zstd-split" and element_bytes > 1 else 0
         self._min_saving = AUTO_MIN_SAVING if mode == "auto" else 0.0
         self._lock = threading.Lock()
         self.raw_bytes = 0
@@ -104,13 +117,14 @@ class Compressor:
         payload = pieces[1:]
         raw = sum(memoryview(p).nbytes for p in payload)
         usable = raw and (self._key is not None or not mac) and self._promising(payload, raw)
-        packed = self._compress(payload, raw) if usable else None
+        packed = self._pack(payload, raw) if usable else None
         if packed is None or len(packed) > raw * (1 - self._min_saving) or len(packed) >= raw:
             self._count(raw, raw, False)
             return pieces
         self._count(raw, len(packed), True)
         fingerprint = bytes(header[8:24])
-        new = frame_header(fingerprint, packed, self._key if mac else None, name=key, codec=FLAG_ZSTD)
+        codec = CODEC_FLAGS if self._split else FLAG_ZSTD
+        new = frame_header(fingerprint, packed, self._key if mac else None, name=key, codec=codec)
         return [new, packed]
 
     def frame_all(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> list[tuple[bytes, Sequence[Buffer]]]:
@@ -126,6 +140,12 @@ class Compressor:
         sample = piece[: min(SAMPLE_BYTES, piece.nbytes)]
         packed = _contexts()[0].compress(sample)
         return len(packed) <= sample.nbytes * (1 - self._min_saving)
+
+    def _pack(self, payload: Sequence[Buffer], raw: int) -> bytes:
+        """The stored payload: zstd of the block, or (``zstd-split``) the element size then zstd of its split."""
+        if not self._split or raw % self._split:
+            return self._compress(payload, raw)
+        return bytes([self._split]) + self._compress([split_bytes(payload, raw, self._split)], raw)
 
     @staticmethod
     def _compress(payload: Sequence[Buffer], raw: int) -> bytes:
@@ -147,13 +167,14 @@ class Compressor:
                 self.plain_blocks += 1
 
 
-def compressor_for(mode: str, key: FrameKey | None, option: str) -> Compressor | None:
-    """The :class:`Compressor` of a store's ``compression`` setting (``option`` names it), None for ``none``."""
+def compressor_for(mode: str, key: FrameKey | None, option: str, element_bytes: int = 2) -> Compressor | None:
+    """The :class:`Compressor` of a store's ``compression`` setting (``option`` names it), None for ``none``;
+    ``element_bytes``: the layout's dtype size (``DTYPE_BYTES[layout.dtype]``), what ``zstd-split`` splits by."""
     if mode == "none":
         return None
     if mode not in COMPRESSIONS:
         raise ConfigError(f"{option}={mode!r} is not allowed; allowed: {', '.join(COMPRESSIONS)}")
-    return Compressor(mode, key, option)  # type: ignore[arg-type]
+    return Compressor(mode, key, option, element_bytes)  # type: ignore[arg-type]
 
 
 def decompress_into(stored: Buffer, pieces: Sequence[memoryview], block_bytes: int) -> None:
@@ -207,7 +228,13 @@ def unframe_into(
     """Check the whole frame ``buf`` of block ``name`` (:func:`~.framing.unframe`) and place its payload into
     ``pieces``: copied, or decompressed there when the frame is compressed. Raises CorruptObjectError."""
     payload = unframe(buf, fingerprint, block_bytes, key, name=name)
-    if frame_codec(memoryview(buf)[:HEADER_SIZE]):
+    codec = frame_codec(memoryview(buf)[:HEADER_SIZE])
+    if codec & FLAG_SPLIT:
+        size = element_size(payload, block_bytes)
+        split = bytearray(block_bytes)
+        decompress_into(payload[1:], [memoryview(split)], block_bytes)
+        join_into(split, pieces, size)
+    elif codec:
         decompress_into(payload, pieces, block_bytes)
     else:
         scatter_bytes(payload, pieces)
@@ -227,6 +254,7 @@ def read_capabilities(store: BlockStore) -> StoreCapabilities:
 
 __all__ = [
     "AUTO_MIN_SAVING",
+    "CODECS",
     "COMPRESSIONS",
     "Compression",
     "Compressor",
