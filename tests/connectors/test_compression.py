@@ -249,6 +249,8 @@ def test_round_trip_per_codec(stores: Callable[[str, str], Any], kind: str, comp
     elif seed is None:  # zeros: compressed whatever the mode
         assert max(sizes) < HEADER_SIZE + N // 4
     assert read_capabilities(store).read_into is False or compression == "none"
+    if compression == "auto":  # the store told auto's rule how fast its writes went
+        assert store.compressor.rule.link_bps is not None and store.compressor.rule.codec_bps is not None
 
 
 @pytest.mark.parametrize("kind", ["s3", "redis"])

@@ -5,12 +5,15 @@ A store whose ``compression`` is set re-frames each block it is about to write
 (:class:`Compressor`): the payload becomes one zstd frame (level 1: the fast end; KV of real models
 compresses by its exponent bytes, which level 1 already finds), the header gets
 :data:`~.framing.FLAG_ZSTD` and a checksum (and, with an integrity key, a MAC) over the compressed
-bytes. ``zstd`` keeps every block that got smaller; ``auto`` keeps only a block that saved at least
-:data:`AUTO_MIN_SAVING` and stores the rest as they are (a block of 256 KiB or more is judged by a
-64 KiB sample first, so random-looking KV costs a sample's compression on save and nothing at read
-time). ``zstd-split`` is the dense codec: the block's bytes are first grouped by their position in the
-layout's element (:mod:`.codec_split`: for bf16 all high bytes, then all low bytes) and the frame
-gets :data:`~.framing.FLAG_SPLIT` too. Either way a block never grows, so an object stays within one
+bytes. ``zstd`` keeps every block that got smaller; ``auto`` keeps a block compressed only when that
+saves at least :data:`AUTO_MIN_SAVING` and, once measured, when the link time it saves exceeds the
+time compressing costs (:mod:`.codec_auto`: running estimates of the codec's speed and ratio and of
+the store's write throughput, which the store reports with :meth:`Compressor.link_sample`); it
+stores the rest as they are (a block of 256 KiB or more is judged by a 64 KiB sample first, so
+random-looking KV costs a sample's compression on save and nothing at read time). ``zstd-split`` is
+the dense codec: the block's bytes are first grouped by their position in the layout's element
+(:mod:`.codec_split`: for bf16 all high bytes, then all low bytes) and the frame gets
+:data:`~.framing.FLAG_SPLIT` too. Either way a block never grows, so an object stays within one
 frame's read bound.
 
 Any reader places a compressed frame (:func:`unframe_into`): the checksum or MAC is checked over
@@ -24,9 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from kvdi.connectors.store.codec_auto import LinkRule
 from kvdi.connectors.store.codec_split import element_size, join_into, split_bytes
 from kvdi.connectors.store.framing import (
     CODEC_FLAGS,
@@ -104,6 +109,8 @@ class Compressor:
         """Payload bytes written for them (compressed or plain)."""
         self.compressed_blocks = 0
         self.plain_blocks = 0
+        self.rule = LinkRule(AUTO_MIN_SAVING, label=option) if mode == "auto" else None
+        """``auto``'s running estimates and decisions (:mod:`.codec_auto`); None for the other codecs."""
 
     def __repr__(self) -> str:
         return f"Compressor({self.mode!r})"
@@ -116,8 +123,8 @@ class Compressor:
         mac = bool(header[6] & FLAG_MAC)
         payload = pieces[1:]
         raw = sum(memoryview(p).nbytes for p in payload)
-        usable = raw and (self._key is not None or not mac) and self._promising(payload, raw)
-        packed = self._pack(payload, raw) if usable else None
+        usable = raw and (self._key is not None or not mac)
+        packed = (self._pack(payload, raw) if self.rule is None else self._auto(payload, raw)) if usable else None
         if packed is None or len(packed) > raw * (1 - self._min_saving) or len(packed) >= raw:
             self._count(raw, raw, False)
             return pieces
@@ -131,15 +138,31 @@ class Compressor:
         """:meth:`frame` for each ``(key, pieces)`` of a ``put_many``."""
         return [(key, self.frame(key, pieces)) for key, pieces in items]
 
-    def _promising(self, payload: Sequence[Buffer], raw: int) -> bool:
-        """``auto`` on a large block: whether a sample of it (:data:`SAMPLE_BYTES` of its middle piece) saves the
-        bound, so an incompressible block costs a sample's compression, not the block's."""
-        if self.mode != "auto" or raw < SAMPLE_FROM_BYTES:
-            return True
+    def link_sample(self, nbytes: int, seconds: float) -> None:
+        """The store wrote ``nbytes`` (as stored) in one request of ``seconds``: ``auto``'s link estimate."""
+        if self.rule is not None:
+            self.rule.link_sample(nbytes, seconds)
+
+    def _auto(self, payload: Sequence[Buffer], raw: int) -> bytes | None:
+        """``auto``: the compressed payload when :class:`~.codec_auto.LinkRule` says it pays, else None. A large
+        block is judged by a sample (:data:`SAMPLE_BYTES` of its middle piece), so an incompressible block costs
+        a sample's compression, not the block's; a small one is compressed whole. Both feed the estimates."""
+        assert self.rule is not None
+        if raw < SAMPLE_FROM_BYTES:
+            packed = self._timed(payload, raw)
+            return packed if self.rule.decide(len(packed) <= raw * (1 - self._min_saving)) else None
         piece = memoryview(payload[len(payload) // 2]).cast("B")
         sample = piece[: min(SAMPLE_BYTES, piece.nbytes)]
-        packed = _contexts()[0].compress(sample)
-        return len(packed) <= sample.nbytes * (1 - self._min_saving)
+        packed = self._timed([sample], sample.nbytes)
+        saves = len(packed) <= sample.nbytes * (1 - self._min_saving)
+        return self._timed(payload, raw) if self.rule.decide(saves) else None
+
+    def _timed(self, payload: Sequence[Buffer], raw: int) -> bytes:
+        assert self.rule is not None
+        started = time.perf_counter()
+        packed = self._compress(payload, raw)
+        self.rule.codec_sample(raw, len(packed), time.perf_counter() - started)
+        return packed
 
     def _pack(self, payload: Sequence[Buffer], raw: int) -> bytes:
         """The stored payload: zstd of the block, or (``zstd-split``) the element size then zstd of its split."""
