@@ -50,8 +50,9 @@ def placed(frame: bytes, key: FrameKey | None = None, cut: int = N // 2) -> byte
 
 def test_split_groups_bytes_by_position_and_joins_them_back_across_pieces() -> None:
     payload = bytes(range(16))
-    split = split_bytes([payload[:6], payload[6:]], 16, 2)
-    assert split == bytes(range(0, 16, 2)) + bytes(range(1, 16, 2))
+    planes = split_bytes([payload[:6], payload[6:]], 16, 2)
+    assert [bytes(p) for p in planes] == [bytes(range(0, 16, 2)), bytes(range(1, 16, 2))]
+    split = b"".join(planes)
     out = bytearray(16)
     join_into(split, [memoryview(out)[:4], memoryview(out)[4:]], 2)
     assert bytes(out) == payload
@@ -92,10 +93,11 @@ def _split_frame(payload: bytes) -> bytes:
     [
         bytes([3]) + zstandard.ZstdCompressor().compress(bytes(N)),  # an element size a layout never has
         b"",  # no room for the element size (a length miss first)
-        bytes([2]) + zstandard.ZstdCompressor().compress(bytes(N - 2)),  # decodes one element short
+        bytes([2]) + zstandard.ZstdCompressor().compress(bytes(N // 2 - 1)) * 2,  # one element short
+        bytes([2]) + zstandard.ZstdCompressor().compress(bytes(N // 2)) * 3,  # a plane too many
         bytes([2]) + b"not zstd",
     ],
-    ids=["odd-element", "empty", "short", "garbage"],
+    ids=["odd-element", "empty", "short", "long", "garbage"],
 )
 def test_a_split_payload_that_does_not_decode_to_one_block_is_a_miss(payload: bytes) -> None:
     with pytest.raises(CorruptObjectError) as caught:

@@ -168,7 +168,8 @@ class Compressor:
         """The stored payload: zstd of the block, or (``zstd-split``) the element size then zstd of its split."""
         if not self._split or raw % self._split:
             return self._compress(payload, raw)
-        return bytes([self._split]) + self._compress([split_bytes(payload, raw, self._split)], raw)
+        planes = split_bytes(payload, raw, self._split)  # one zstd frame per plane: each gets its own tables
+        return b"".join([bytes([self._split]), *map(_contexts()[0].compress, planes)])
 
     @staticmethod
     def _compress(payload: Sequence[Buffer], raw: int) -> bytes:
@@ -200,8 +201,9 @@ def compressor_for(mode: str, key: FrameKey | None, option: str, element_bytes: 
     return Compressor(mode, key, option, element_bytes)  # type: ignore[arg-type]
 
 
-def decompress_into(stored: Buffer, pieces: Sequence[memoryview], block_bytes: int) -> None:
-    """Decompress the zstd frame ``stored`` straight into ``pieces`` (``block_bytes`` in all, in order).
+def decompress_into(stored: Buffer, pieces: Sequence[memoryview], block_bytes: int, frames: bool = False) -> None:
+    """Decompress the zstd frame ``stored`` (``frames``: the zstd frames back to back, a split payload's planes)
+    straight into ``pieces`` (``block_bytes`` in all, in order).
 
     Output is bounded: at most ``block_bytes + 1`` bytes are ever produced. Raises CorruptObjectError
     ``codec`` unless it decodes to exactly ``block_bytes``.
@@ -211,10 +213,10 @@ def decompress_into(stored: Buffer, pieces: Sequence[memoryview], block_bytes: i
     if room != block_bytes:
         raise CorruptObjectError("length", f"pieces of {room} B for a {block_bytes} B payload")
     try:
-        declared = zstd.frame_content_size(stored)
+        declared = -1 if frames else zstd.frame_content_size(stored)
         if declared not in (block_bytes, -1):  # -1: the writer did not record it
             raise CorruptObjectError("codec", f"compressed block says {declared} B, layout needs {block_bytes} B")
-        reader = _contexts()[1].stream_reader(stored, read_across_frames=False)
+        reader = _contexts()[1].stream_reader(stored, read_across_frames=frames)
         with reader:
             for piece in pieces:
                 dst = piece if piece.format == "B" else piece.cast("B")
@@ -255,7 +257,7 @@ def unframe_into(
     if codec & FLAG_SPLIT:
         size = element_size(payload, block_bytes)
         split = bytearray(block_bytes)
-        decompress_into(payload[1:], [memoryview(split)], block_bytes)
+        decompress_into(payload[1:], [memoryview(split)], block_bytes, frames=True)
         join_into(split, pieces, size)
     elif codec:
         decompress_into(payload, pieces, block_bytes)

@@ -8,7 +8,7 @@ Header (88 bytes, little-endian)::
                    bit 1 (FLAG_ZSTD): the payload is stored zstd-compressed;
                    bit 2 (FLAG_SPLIT, only with FLAG_ZSTD): the block's bytes were split by their position
                    in the element (byte-shuffled) before zstd; the payload starts with one byte, the element
-                   size, then the zstd frame; no other bit is defined
+                   size, then one zstd frame per byte position; no other bit is defined
     layout    16s  KVCacheSpec.fingerprint()
     name      16s  the block key the object is stored under (BLAKE2b-128 of it when not 16 bytes)
     length    u64  payload bytes as stored (compressed: fewer than ``layout.block_bytes``)
@@ -17,8 +17,8 @@ Header (88 bytes, little-endian)::
 
 The payload is layer 0's block (K then V), layer 1's block, ... contiguous, exactly
 ``layout.block_bytes`` long, or (``FLAG_ZSTD``) one zstd frame that decompresses to exactly that,
-or (``FLAG_ZSTD | FLAG_SPLIT``) the element size in one byte and then one zstd frame of the block's
-bytes grouped by their position in the element (all first bytes, all second bytes, ...)
+or (``FLAG_ZSTD | FLAG_SPLIT``) the element size in one byte and then, back to back, one zstd frame
+per position in the element (all first bytes, all second bytes, ...), decompressing to that in all
 (:mod:`.codec`: network stores with ``compression`` set write such frames; any reader decompresses
 them into its destination with the output bounded to ``block_bytes``). A reader checks every header
 field and then the payload and raises :class:`CorruptObjectError` with a short ``reason`` for the
