@@ -82,3 +82,18 @@ def test_only_auto_has_a_rule_and_link_samples_are_ignored_elsewhere() -> None:
     assert zstd.rule is None
     payload = bytes(N)
     assert frame_codec(b"".join(zstd.frame(NAME, [frame_header(LAYOUT.fingerprint(), payload, name=NAME), payload])))
+
+
+def test_on_a_link_where_it_does_not_pay_only_one_block_in_eight_is_sampled() -> None:
+    payload = bytes(N)
+    framed = [frame_header(LAYOUT.fingerprint(), payload, name=NAME), payload]
+    fast, slow = Compressor("auto"), Compressor("auto")
+    fast.link_sample(10**15, 1.0)
+    slow.link_sample(1, 1.0)
+    for _ in range(16):
+        fast.frame(NAME, framed)
+        slow.frame(NAME, framed)
+    assert fast.rule is not None and slow.rule is not None
+    assert fast.rule.samples == 2  # the first block (nothing measured yet), then the 8th skipped one
+    assert fast.plain_blocks == 16 and fast.rule.snapshot().plain == 16
+    assert slow.rule.samples == 16 and slow.compressed_blocks == 16

@@ -148,6 +148,8 @@ class Compressor:
         block is judged by a sample (:data:`SAMPLE_BYTES` of its middle piece), so an incompressible block costs
         a sample's compression, not the block's; a small one is compressed whole. Both feed the estimates."""
         assert self.rule is not None
+        if self.rule.skips_sample():
+            return None
         if raw < SAMPLE_FROM_BYTES:
             packed = self._timed(payload, raw)
             return packed if self.rule.decide(len(packed) <= raw * (1 - self._min_saving)) else None

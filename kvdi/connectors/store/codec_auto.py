@@ -18,7 +18,9 @@ decodes several times faster than it encodes, and a reader that gets fewer bytes
 too. A request's bytes per second undercounts a link whose requests are dominated by latency, so
 ``auto`` leans to compressing small objects on such links. Decisions are counted
 (:attr:`LinkRule.compressed`, :attr:`LinkRule.plain`, :attr:`LinkRule.flips`), and a flip is
-logged at debug level with the estimates that made it.
+logged at debug level with the estimates that made it. While the estimates say it does not pay,
+only one block in :data:`RESAMPLE_EVERY` is sampled (to follow the data and the link); the rest are
+stored plain at no codec cost.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 EWMA_WEIGHT = 0.2
 """Weight of the newest measurement in each running estimate."""
+RESAMPLE_EVERY = 8
+"""While the estimates say compressing does not pay, one block in this many is still sampled (the rest skip it)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,9 @@ class LinkRule:
         self.compressed = 0
         self.plain = 0
         self.flips = 0
+        self.samples = 0
+        """Compressions timed (codec measurements taken)."""
+        self._skipped = 0
         self._last: bool | None = None
         self._lock = threading.Lock()
 
@@ -81,6 +88,7 @@ class LinkRule:
         if raw <= 0 or packed <= 0 or seconds <= 0:
             return
         with self._lock:
+            self.samples += 1
             self.codec_bps = self._mix(self.codec_bps, raw / seconds)
             self.ratio = self._mix(self.ratio, raw / packed)
 
@@ -97,6 +105,18 @@ class LinkRule:
         if codec is None or ratio is None or link is None:
             return None
         return (1 - 1 / ratio) * codec > link
+
+    def skips_sample(self) -> bool:
+        """Whether this block is stored plain without a sample: the estimates say compressing does not pay and
+        it is not the one block in :data:`RESAMPLE_EVERY` that keeps them current. Counted as a plain decision."""
+        if self.pays() is not False:
+            return False
+        with self._lock:
+            self._skipped += 1
+            if self._skipped % RESAMPLE_EVERY == 0:
+                return False
+        self.decide(False)
+        return True
 
     def decide(self, sample_saves: bool) -> bool:
         """Whether to store this block compressed; ``sample_saves``: its sample saved at least ``min_saving``."""
@@ -120,4 +140,4 @@ class LinkRule:
             return Estimates(self.codec_bps, self.ratio, self.link_bps, self.compressed, self.plain, self.flips)
 
 
-__all__ = ["EWMA_WEIGHT", "Estimates", "LinkRule"]
+__all__ = ["EWMA_WEIGHT", "RESAMPLE_EVERY", "Estimates", "LinkRule"]
