@@ -273,13 +273,14 @@ def test_a_corrupted_compressed_object_is_a_counted_miss(
 
 
 @pytest.mark.parametrize("kind", ["s3", "redis"])
+@pytest.mark.parametrize("codec", ["zstd", "zstd-split"])
 def test_a_plain_reader_loads_compressed_frames_from_a_compressing_writer(
-    stores: Callable[[str, str], Any], kind: str
+    stores: Callable[[str, str], Any], kind: str, codec: str
 ) -> None:
     """An engine with compression ``none`` on the same store reads what a ``zstd`` engine wrote: s3 through
     get_many; Redis reads straight into the cache, finds an object shorter than a frame and reads it whole,
     never dropping another engine's block as corrupt."""
-    store = stores(kind, "zstd")
+    store = stores(kind, codec)
     Halves(store, seed=None).prefill()
     store.compressor = None
     assert read_capabilities(store).read_into is (kind == "redis")
