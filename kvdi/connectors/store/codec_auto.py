@@ -7,7 +7,8 @@ measurement) of
   its ratio (payload / compressed), from every compression the :class:`~.codec.Compressor` times:
   the 64 KiB sample of a large block, or a small block whole;
 * the link: bytes written per second by one write request (one S3 ``PutObject``, one Redis
-  pipeline), which the store reports after each successful write (:meth:`LinkRule.link_sample`).
+  pipeline, one Redis Cluster ``put_many``), which the store reports after each successful write
+  (:meth:`LinkRule.link_sample`).
 
 Each block's writer thread compresses and then sends, so per block of ``raw`` bytes compressing
 saves ``raw / link * (1 - 1 / ratio)`` seconds of sending and costs ``raw / codec`` seconds of
