@@ -16,6 +16,7 @@ from kvdi.connectors.store.codec_split import join_into, split_bytes  # noqa: E4
 from kvdi.connectors.store.framing import (  # noqa: E402
     CODEC_FLAGS,
     FLAG_SPLIT,
+    FLAG_ZSTD,
     HEADER_SIZE,
     CorruptObjectError,
     FrameKey,
@@ -82,6 +83,17 @@ def test_element_size_one_is_plain_zstd() -> None:
     assert compressor is not None
     stored = b"".join(compressor.frame(NAME, plain(bytes(N))))
     assert frame_codec(stored[:HEADER_SIZE]) & FLAG_SPLIT == 0
+
+
+def test_a_block_of_partial_elements_is_stored_plain_zstd_and_read_back() -> None:
+    payload = bytes(4098)  # not whole 4-byte elements (never from a layout): no split, still compressed
+    stored = b"".join(
+        Compressor("zstd-split", element_bytes=4).frame(NAME, [frame_header(FP, payload, name=NAME), payload])
+    )
+    assert frame_codec(stored[:HEADER_SIZE]) == FLAG_ZSTD
+    out = bytearray(len(payload))
+    unframe_into(stored, [memoryview(out)], FP, len(payload), name=NAME)
+    assert bytes(out) == payload
 
 
 def _split_frame(payload: bytes) -> bytes:

@@ -123,14 +123,16 @@ class Compressor:
         mac = bool(header[6] & FLAG_MAC)
         payload = pieces[1:]
         raw = sum(memoryview(p).nbytes for p in payload)
-        usable = raw and (self._key is not None or not mac)
-        packed = (self._pack(payload, raw) if self.rule is None else self._auto(payload, raw)) if usable else None
+        split = bool(self._split) and raw % self._split == 0  # a block of whole elements (always, from a layout)
+        packed = None
+        if raw and (self._key is not None or not mac):
+            packed = self._pack(payload, raw, split) if self.rule is None else self._auto(payload, raw)
         if packed is None or len(packed) > raw * (1 - self._min_saving) or len(packed) >= raw:
             self._count(raw, raw, False)
             return pieces
         self._count(raw, len(packed), True)
         fingerprint = bytes(header[8:24])
-        codec = CODEC_FLAGS if self._split else FLAG_ZSTD
+        codec = CODEC_FLAGS if split else FLAG_ZSTD
         new = frame_header(fingerprint, packed, self._key if mac else None, name=key, codec=codec)
         return [new, packed]
 
@@ -166,9 +168,9 @@ class Compressor:
         self.rule.codec_sample(raw, len(packed), time.perf_counter() - started)
         return packed
 
-    def _pack(self, payload: Sequence[Buffer], raw: int) -> bytes:
-        """The stored payload: zstd of the block, or (``zstd-split``) the element size then zstd of its split."""
-        if not self._split or raw % self._split:
+    def _pack(self, payload: Sequence[Buffer], raw: int, split: bool) -> bytes:
+        """The stored payload: zstd of the block, or (``split``) the element size then zstd of each byte plane."""
+        if not split:
             return self._compress(payload, raw)
         planes = split_bytes(payload, raw, self._split)  # one zstd frame per plane: each gets its own tables
         return b"".join([bytes([self._split]), *map(_contexts()[0].compress, planes)])
