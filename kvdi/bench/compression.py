@@ -1,6 +1,6 @@
 """Compression rows for the network-store benches (``kvdi bench s3``, ``kvdi bench redis``).
 
-For two kinds of KV and each ``compression`` (``none``, ``zstd``, ``auto``), kvdi's worker half
+For two kinds of KV and each ``compression`` (``none``, ``zstd``, ``zstd-split``, ``auto``), kvdi's worker half
 saves the same blocks into the store and loads them back (every frame verified, compressed ones
 decompressed into the paged cache); the codecs run alternated, repeated, and each save starts from
 absent objects. The KV:
@@ -26,7 +26,7 @@ from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, WorkerCon
 from kvdi.connectors.store.keys import block_keys
 from kvdi.containers import build_kv_container
 
-CODECS = ("none", "zstd", "auto")
+CODECS = ("none", "zstd", "zstd-split", "auto")
 DATA = {"random-ish": ("float32", 1.0), "bf16": ("bfloat16", 0.05)}
 
 
@@ -99,6 +99,8 @@ def _measure(
         for codec, (_, _, dest) in halves.items():
             if any(not torch.equal(dest[n], source[n]) for n in layout.layer_names):
                 raise RuntimeError(f"bench: {bench} {data} {codec}: blocks loaded differ from the blocks saved")
+        rule = getattr(getattr(halves["auto"][0].store, "compressor", None), "rule", None)
+        decisions = f"; auto's estimates and decisions: {rule.snapshot().describe()}" if rule is not None else ""
     finally:
         pool.shutdown()
         for container in containers.values():
@@ -124,7 +126,7 @@ def _measure(
                     base_gbs,
                     "compression none",
                     gbs / base_gbs,
-                    note=note + spread,
+                    note=note + spread + (decisions if codec == "auto" else ""),
                 )
             )
         mib, raw_mib = stored[codec] / (1 << 20), stored["none"] / (1 << 20)

@@ -217,9 +217,10 @@ class RedisSettings(_Section):
     """``url`` names any startup node of a Redis Cluster (keys spread over its hash slots)."""
     read_from_replicas: bool = False
     """On a cluster, read from replicas too (writes always go to masters)."""
-    compression: Literal["none", "zstd", "auto"] = "none"
-    """Store blocks zstd-compressed (``zstd``: whenever smaller; ``auto``: when that saves 10 % or more);
-    recorded in each frame, so any reader loads either (docs/compression.md). Needs ``zstandard``."""
+    compression: Literal["none", "zstd", "zstd-split", "auto"] = "none"
+    """Store blocks zstd-compressed (``zstd``: whenever smaller; ``zstd-split``: denser, bytes split by their
+    place in the element first; ``auto``: zstd when the link is slower than compressing pays, measured);
+    recorded in each frame, so any reader loads any (docs/compression.md). Needs ``zstandard``."""
 
     @field_validator("url")
     @classmethod

@@ -1,4 +1,4 @@
-"""Compressed frames (``compression`` = zstd | auto): the frame rules, and round trips on a real S3 and Redis server."""
+"""Compressed frames (``compression`` = zstd | zstd-split | auto): the frame rules, and round trips on a real S3 and Redis server."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from kvdi.connectors.store.codec import (  # noqa: E402
     unframe_into,
 )
 from kvdi.connectors.store.framing import (  # noqa: E402
+    CODEC_FLAGS,
     FLAG_MAC,
     FLAG_ZSTD,
     HEADER_SIZE,
@@ -32,6 +33,7 @@ from kvdi.connectors.store.framing import (  # noqa: E402
     unframe,
 )
 from kvdi.errors import ConfigError  # noqa: E402
+from kvdi.layout import DTYPE_BYTES  # noqa: E402
 from kvdi.testing.conformance import BLOCKS, KEYS, LAYOUT, Halves  # noqa: E402
 
 FP = LAYOUT.fingerprint()
@@ -39,6 +41,8 @@ N = LAYOUT.block_bytes
 NAME = KEYS[0]
 ZEROS = bytes(N)
 BASE_COMMIT = "7b0b6e8"  # the last commit whose reader knew no codec flag
+ELEMENT = DTYPE_BYTES[LAYOUT.dtype]
+FLAGS = {"zstd": FLAG_ZSTD, "zstd-split": CODEC_FLAGS}
 
 
 def plain(payload: bytes, key: FrameKey | None = None) -> list[bytes]:
@@ -161,7 +165,7 @@ def test_a_reader_without_the_codec_flag_counts_a_compressed_frame_as_a_miss() -
 
 def test_without_zstandard_asking_for_it_is_one_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "zstandard", None)
-    with pytest.raises(ConfigError, match=r"^KVDI_S3__COMPRESSION=zstd/auto needs the zstandard package"):
+    with pytest.raises(ConfigError, match=r"^KVDI_S3__COMPRESSION=zstd/zstd-split/auto needs the zstandard package"):
         compressor_for("auto", None, "KVDI_S3__COMPRESSION")
     assert compressor_for("none", None, "KVDI_S3__COMPRESSION") is None
 
@@ -206,7 +210,7 @@ def stores(request: pytest.FixtureRequest) -> Iterator[Callable[[str, str], Any]
 
             server = request.getfixturevalue("redis_server")
             store = RedisBlockStore(RedisSettings(url=server.url, compression=compression), HEADER_SIZE + N + 64)
-        store.compressor = compressor_for(compression, None, "compression")
+        store.compressor = compressor_for(compression, None, "compression", ELEMENT)
         opened.append(store)
         return store
 
@@ -233,7 +237,7 @@ def _round_trip(store: Any, seed: int | None) -> tuple[Halves, Halves]:
 
 
 @pytest.mark.parametrize("kind", ["s3", "redis"])
-@pytest.mark.parametrize("compression", ["none", "zstd", "auto"])
+@pytest.mark.parametrize("compression", ["none", "zstd", "zstd-split", "auto"])
 @pytest.mark.parametrize("seed", [None, 3], ids=["zeros", "randn"])
 def test_round_trip_per_codec(stores: Callable[[str, str], Any], kind: str, compression: str, seed: int | None) -> None:
     store = stores(kind, compression)
@@ -245,14 +249,19 @@ def test_round_trip_per_codec(stores: Callable[[str, str], Any], kind: str, comp
     elif seed is None:  # zeros: compressed whatever the mode
         assert max(sizes) < HEADER_SIZE + N // 4
     assert read_capabilities(store).read_into is False or compression == "none"
+    if compression == "auto":  # the store told auto's rule how fast its writes went
+        assert store.compressor.rule.link_bps is not None and store.compressor.rule.codec_bps is not None
 
 
 @pytest.mark.parametrize("kind", ["s3", "redis"])
-def test_a_corrupted_compressed_object_is_a_counted_miss(stores: Callable[[str, str], Any], kind: str) -> None:
-    store = stores(kind, "zstd")
+@pytest.mark.parametrize("codec", ["zstd", "zstd-split"])
+def test_a_corrupted_compressed_object_is_a_counted_miss(
+    stores: Callable[[str, str], Any], kind: str, codec: str
+) -> None:
+    store = stores(kind, codec)
     Halves(store, seed=None).prefill()
     first = bytearray(bytes(store.get_many([KEYS[0]])[0]))
-    assert frame_codec(first[:HEADER_SIZE]) == FLAG_ZSTD
+    assert frame_codec(first[:HEADER_SIZE]) == FLAGS[codec]
     first[-3] ^= 0x01
     store.discard(KEYS[0])
     store.compressor = None  # plant the bytes as they are
@@ -264,13 +273,14 @@ def test_a_corrupted_compressed_object_is_a_counted_miss(stores: Callable[[str, 
 
 
 @pytest.mark.parametrize("kind", ["s3", "redis"])
+@pytest.mark.parametrize("codec", ["zstd", "zstd-split"])
 def test_a_plain_reader_loads_compressed_frames_from_a_compressing_writer(
-    stores: Callable[[str, str], Any], kind: str
+    stores: Callable[[str, str], Any], kind: str, codec: str
 ) -> None:
     """An engine with compression ``none`` on the same store reads what a ``zstd`` engine wrote: s3 through
     get_many; Redis reads straight into the cache, finds an object shorter than a frame and reads it whole,
     never dropping another engine's block as corrupt."""
-    store = stores(kind, "zstd")
+    store = stores(kind, codec)
     Halves(store, seed=None).prefill()
     store.compressor = None
     assert read_capabilities(store).read_into is (kind == "redis")

@@ -113,6 +113,24 @@ def test_objects_round_trip_and_spread_over_every_master(
     assert all(keys_on(m, store.key_prefix) for m in shared_cluster.masters())
 
 
+def test_a_compressing_cluster_store_round_trips_and_reports_its_writes_to_auto(
+    shared_cluster: RedisClusterServers, make_store: Callable[..., RedisClusterBlockStore]
+) -> None:
+    pytest.importorskip("zstandard")
+    from kvdi.connectors.store.codec import compressor_for, unframe_into
+
+    store = make_store(shared_cluster)
+    store.compressor = compressor = compressor_for("auto", None, "KVDI_REDIS__COMPRESSION")
+    assert compressor is not None and compressor.rule is not None
+    assert store.put_many([(k, framed(i)) for i, k in enumerate(KEYS)]) == len(KEYS)
+    assert compressor.compressed_blocks == len(KEYS) and compressor.rule.link_bps is not None
+    out = bytearray(512)
+    for i, obj in enumerate(store.get_many(KEYS)):
+        assert obj is not None and len(obj) < 512
+        unframe_into(obj, [memoryview(out)], FINGERPRINT, 512, name=KEYS[i])
+        assert bytes(out) == framed(i)[1]
+
+
 def test_count_prefix_stops_at_the_first_gap(
     shared_cluster: RedisClusterServers, make_store: Callable[..., RedisClusterBlockStore]
 ) -> None:

@@ -19,6 +19,7 @@ from kvdi.connectors.redis.wire import send_gathered
 from kvdi.connectors.store.codec import compressor_for
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.integrity import frame_key
+from kvdi.layout import DTYPE_BYTES
 from kvdi.masking import MASK, mask_url
 
 if TYPE_CHECKING:
@@ -34,7 +35,9 @@ def open_store(
     options: RedisSettings, layout: KVCacheSpec, settings: KvdiSettings
 ) -> RedisBlockStore | RedisClusterBlockStore:
     """The ``redis`` connector's backend: a store on the server or cluster ``KVDI_REDIS__URL`` names (lazy)."""
-    compressor = compressor_for(options.compression, frame_key(settings), "KVDI_REDIS__COMPRESSION")
+    compressor = compressor_for(
+        options.compression, frame_key(settings), "KVDI_REDIS__COMPRESSION", DTYPE_BYTES[layout.dtype]
+    )
     limit = HEADER_SIZE + layout.block_bytes + FRAME_ROOM
     store: RedisBlockStore | RedisClusterBlockStore
     if options.cluster:

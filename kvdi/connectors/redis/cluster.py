@@ -156,18 +156,23 @@ class RedisClusterBlockStore:
         """One ``SET`` per object on the master of its slot, batched per node; returns how many were stored."""
         if not items:
             return 0
-        stored, failures = 0, []
+        stored, failures, sent = 0, [], 0
         keys = [key for key, _ in items]
         prefix, ttl_s = self._prefix, self.ttl_s
+        framed = items if self.compressor is None else self.compressor.frame_all(items)
 
         def make(node: RedisNode, _names: list[bytes], index: list[int]) -> Exchange:
-            return write_exchange(node, prefix, [items[i] for i in index], ttl_s, self.compressor)
+            return write_exchange(node, prefix, [framed[i] for i in index], ttl_s)
 
+        started = time.perf_counter()
         for exchange, _index in self._run(keys, False, make):
             if isinstance(exchange.result, OSError):
                 failures.append(exchange.result)
             else:
                 stored += count_written(exchange, self._logged)
+                sent += sum(memoryview(chunk).nbytes for chunk in exchange.chunks)
+        if self.compressor is not None and stored:  # compression=auto weighs the codec against the measured link
+            self.compressor.link_sample(sent, time.perf_counter() - started)
         if stored == 0:
             if failures:
                 raise failures[0]

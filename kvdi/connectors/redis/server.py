@@ -41,6 +41,7 @@ from kvdi.connectors.redis.wire import (
     pack_sets,
     placed_size,
     present,
+    run_timed,
     send_gathered,
     written,
 )
@@ -337,15 +338,13 @@ class RedisBlockStore:
         return [placed_size(r, limit, p) for r, p in zip(replies, targets, strict=True)]
 
     def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
-        """One ``SET`` per object (``EX`` when ``ttl_s``) in one pipeline; returns how many were stored.
-
-        Raises ConnectionError while the breaker is open, OSError when the server failed or
-        stored none of them. The commands are packed here rather than by redis-py so that an
-        object's pieces go to the socket as they are: joining them would copy every byte again.
-        """
+        """One ``SET`` per object (``EX`` when ``ttl_s``) in one pipeline; returns how many were stored. Raises
+        ConnectionError while the breaker is open, OSError when the server failed or stored none of them. Packed
+        here, not by redis-py, so an object's pieces go to the socket as they are (joining would copy them)."""
         if not items:
             return 0
-        exchange = self.node.run(write_exchange(self.node, self._prefix, items, self.ttl_s, self.compressor))
+        exchange = write_exchange(self.node, self._prefix, items, self.ttl_s, self.compressor)
+        exchange = run_timed(self.node.run, exchange, self.compressor)  # compression=auto measures the link
         if isinstance(exchange.result, OSError):
             raise exchange.result
         count = count_written(exchange, self._logged)

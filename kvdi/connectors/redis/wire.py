@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
 
@@ -18,6 +19,11 @@ from kvdi.connectors.redis.bounded import Placed
 from kvdi.connectors.store.blockio import scatter
 from kvdi.connectors.store.framing import Buffer
 from kvdi.masking import mask_text
+
+if TYPE_CHECKING:
+    from kvdi.connectors.store.codec import Compressor
+
+E = TypeVar("E")
 
 _COALESCE_BYTES = 16 << 10  # pieces up to this size are copied into the command buffer
 _IOV_BATCH = 512  # buffers per sendmsg call, below every platform's IOV_MAX
@@ -158,3 +164,16 @@ def describe(exc: BaseException) -> str:
 def describe_reply(reply: object) -> str:
     """A reply that is not what the exchange expected, in words (an error's masked message, else its type)."""
     return describe(reply) if isinstance(reply, BaseException) else f"unexpected reply of type {type(reply).__name__}"
+
+
+def run_timed(run: Callable[[E], E], exchange: E, compressor: Compressor | None) -> E:
+    """``run(exchange)`` (a write); with a compressor, it is told the bytes sent and the seconds the exchange took
+    (``compression=auto`` weighs the codec against this link's measured speed). Failed exchanges tell nothing."""
+    if compressor is None:
+        return run(exchange)
+    started = time.perf_counter()
+    done = run(exchange)
+    if not isinstance(getattr(done, "result", None), OSError):
+        sent = sum(memoryview(chunk).nbytes for chunk in getattr(exchange, "chunks", ()))
+        compressor.link_sample(sent, time.perf_counter() - started)
+    return done

@@ -15,6 +15,7 @@ from kvdi.connectors.s3.store import S3BlockStore
 from kvdi.connectors.store.codec import compressor_for
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.integrity import frame_key
+from kvdi.layout import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from kvdi.layout import KVCacheSpec
@@ -26,7 +27,9 @@ FRAME_ROOM = 64
 
 def open_store(options: S3Settings, layout: KVCacheSpec, settings: KvdiSettings) -> S3BlockStore:
     """The ``s3`` connector's backend: a store on the bucket ``KVDI_S3__BUCKET`` names."""
-    compressor = compressor_for(options.compression, frame_key(settings), "KVDI_S3__COMPRESSION")
+    compressor = compressor_for(
+        options.compression, frame_key(settings), "KVDI_S3__COMPRESSION", DTYPE_BYTES[layout.dtype]
+    )
     store = S3BlockStore(options, max_object_bytes=HEADER_SIZE + layout.block_bytes + FRAME_ROOM)
     store.compressor = compressor
     return store

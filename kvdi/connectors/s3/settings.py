@@ -40,9 +40,10 @@ class S3Settings(BaseModel):
     """Requests in flight at once (a thread pool and as many pooled connections)."""
     breaker_failures: int = Field(3, gt=0, le=1_000_000)
     breaker_reset_s: float = _seconds(5.0)
-    compression: Literal["none", "zstd", "auto"] = "none"
-    """Store blocks zstd-compressed (``zstd``: whenever smaller; ``auto``: when that saves 10 % or more);
-    recorded in each frame, so any reader loads either (docs/compression.md). Needs ``zstandard``."""
+    compression: Literal["none", "zstd", "zstd-split", "auto"] = "none"
+    """Store blocks zstd-compressed (``zstd``: whenever smaller; ``zstd-split``: denser, bytes split by their
+    place in the element first; ``auto``: zstd when the link is slower than compressing pays, measured);
+    recorded in each frame, so any reader loads any (docs/compression.md). Needs ``zstandard``."""
 
     @field_validator("endpoint_url")
     @classmethod

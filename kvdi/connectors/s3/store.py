@@ -24,6 +24,7 @@ import logging
 import re
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -227,6 +228,7 @@ class S3BlockStore:
     def _put(self, item: tuple[bytes, Sequence[Buffer]], errors: list[BaseException]) -> bool:
         key, pieces = item
         body = b"".join(pieces if self.compressor is None else self.compressor.frame(key, pieces))
+        started = time.perf_counter()
         try:
             self.client.put_object(Bucket=self.bucket, Key=self.name(key), Body=body, IfNoneMatch="*")
         except Exception as exc:
@@ -235,6 +237,8 @@ class S3BlockStore:
             errors.append(exc)
             return False
         self._succeeded()
+        if self.compressor is not None:  # compression=auto weighs the codec against this link's measured speed
+            self.compressor.link_sample(len(body), time.perf_counter() - started)
         return True
 
     # accounting

@@ -5,7 +5,10 @@ Header (88 bytes, little-endian)::
     magic     4s   b"KVDI"
     version   u16  FRAME_VERSION (2: the MAC field was added; 3: the name field was added)
     flags     u16  bit 0 (FLAG_MAC): the frame carries a keyed MAC;
-                   bit 1 (FLAG_ZSTD): the payload is stored zstd-compressed; no other bit is defined
+                   bit 1 (FLAG_ZSTD): the payload is stored zstd-compressed;
+                   bit 2 (FLAG_SPLIT, only with FLAG_ZSTD): the block's bytes were split by their position
+                   in the element (byte-shuffled) before zstd; the payload starts with one byte, the element
+                   size, then one zstd frame per byte position; no other bit is defined
     layout    16s  KVCacheSpec.fingerprint()
     name      16s  the block key the object is stored under (BLAKE2b-128 of it when not 16 bytes)
     length    u64  payload bytes as stored (compressed: fewer than ``layout.block_bytes``)
@@ -13,7 +16,9 @@ Header (88 bytes, little-endian)::
     mac       32s  HMAC-SHA256(key, payload || header[:56]) when FLAG_MAC is set, else 32 zero bytes
 
 The payload is layer 0's block (K then V), layer 1's block, ... contiguous, exactly
-``layout.block_bytes`` long, or (``FLAG_ZSTD``) one zstd frame that decompresses to exactly that
+``layout.block_bytes`` long, or (``FLAG_ZSTD``) one zstd frame that decompresses to exactly that,
+or (``FLAG_ZSTD | FLAG_SPLIT``) the element size in one byte and then, back to back, one zstd frame
+per position in the element (all first bytes, all second bytes, ...), decompressing to that in all
 (:mod:`.codec`: network stores with ``compression`` set write such frames; any reader decompresses
 them into its destination with the output bounded to ``block_bytes``). A reader checks every header
 field and then the payload and raises :class:`CorruptObjectError` with a short ``reason`` for the
@@ -30,7 +35,8 @@ function below takes ``key=None`` by default, so callers that pass no key keep w
 
 Compression kept the frame version: an uncompressed frame is byte for byte what it was, and a
 reader from before ``FLAG_ZSTD`` rejects any unknown flag (reason ``header``), so it counts a
-compressed frame as a miss and never loads its bytes. The checksum and the MAC cover the payload
+compressed frame as a miss and never loads its bytes; likewise a reader that knows ``FLAG_ZSTD`` but
+not ``FLAG_SPLIT`` counts a split frame as a ``header`` miss. The checksum and the MAC cover the payload
 as stored (compressed) and the header, so a corrupted compressed object is caught before any
 decompression; a compressed payload that does not decompress to exactly ``block_bytes`` is a
 miss (reason ``codec``).
@@ -54,7 +60,9 @@ FINGERPRINT_BYTES = 16
 MAC_BYTES = 32
 FLAG_MAC = 1
 FLAG_ZSTD = 2
-KNOWN_FLAGS = FLAG_MAC | FLAG_ZSTD
+FLAG_SPLIT = 4
+CODEC_FLAGS = FLAG_ZSTD | FLAG_SPLIT
+KNOWN_FLAGS = FLAG_MAC | CODEC_FLAGS
 NAME_BYTES = 16
 _CHECKED = struct.Struct("<4sHH16s16sQ")  # everything the checksum covers besides the payload
 _FIELDS = struct.Struct("<4sHH16s16sQQ")  # everything the MAC covers besides the payload
@@ -138,9 +146,10 @@ def frame_header(
 ) -> bytes:
     """The header to write before ``payload`` (one buffer, or pieces stored back to back) stored under the
     block key ``name``; MACed with ``key``. The checksum and the MAC both cover the name. ``codec``:
-    :data:`FLAG_ZSTD` when ``payload`` is the compressed block (see :mod:`.codec`), else 0."""
-    if codec & ~FLAG_ZSTD:
-        raise ValueError(f"codec must be 0 or FLAG_ZSTD ({FLAG_ZSTD}), got {codec}")
+    :data:`FLAG_ZSTD` when ``payload`` is the compressed block, ``FLAG_ZSTD | FLAG_SPLIT`` when it is the
+    split one (see :mod:`.codec`), else 0."""
+    if codec not in (0, FLAG_ZSTD, CODEC_FLAGS):
+        raise ValueError(f"codec must be 0, FLAG_ZSTD ({FLAG_ZSTD}) or CODEC_FLAGS ({CODEC_FLAGS}), got {codec}")
     pieces: Sequence[Buffer] = [payload] if isinstance(payload, bytes | bytearray | memoryview) else payload
     length = sum(memoryview(p).nbytes for p in pieces)
     flags = (0 if key is None else FLAG_MAC) | codec
@@ -170,8 +179,8 @@ def stored_length(header: Buffer) -> int:
 
 
 def frame_codec(header: Buffer) -> int:
-    """The codec flag of a (checked) header: :data:`FLAG_ZSTD` or 0 (the payload is stored as it is)."""
-    return int(memoryview(header).cast("B")[6]) & FLAG_ZSTD
+    """The codec flags of a (checked) header: :data:`FLAG_ZSTD`, ``FLAG_ZSTD | FLAG_SPLIT``, or 0 (stored as it is)."""
+    return int(memoryview(header).cast("B")[6]) & CODEC_FLAGS
 
 
 def read_header(header: Buffer, fingerprint: bytes, expected_len: int, *, name: Buffer) -> tuple[int, int]:
@@ -186,6 +195,8 @@ def read_header(header: Buffer, fingerprint: bytes, expected_len: int, *, name: 
         raise CorruptObjectError("version", f"format version {version}, this kvdi reads {FRAME_VERSION}")
     if flags & ~KNOWN_FLAGS:
         raise CorruptObjectError("header", f"unknown flags {flags:#x}")
+    if flags & FLAG_SPLIT and not flags & FLAG_ZSTD:
+        raise CorruptObjectError("header", "the split flag without the zstd flag")
     if bool(flags & FLAG_MAC) == (mac == _NO_MAC):  # a MAC flag with no MAC, or MAC bytes without the flag
         raise CorruptObjectError("header", "the MAC flag and the MAC field disagree")
     if layout != fingerprint:
@@ -281,7 +292,9 @@ def verify_pieces(
 
 
 __all__ = [
+    "CODEC_FLAGS",
     "FLAG_MAC",
+    "FLAG_SPLIT",
     "FLAG_ZSTD",
     "FRAME_VERSION",
     "HEADER_SIZE",
