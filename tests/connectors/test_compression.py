@@ -49,11 +49,24 @@ def plain(payload: bytes, key: FrameKey | None = None) -> list[bytes]:
     return [frame_header(FP, payload, key, name=NAME), payload]
 
 
-def placed(frame: bytes, key: FrameKey | None = None) -> bytes:
+def placed(frame: bytes, key: FrameKey | None = None, cut: int = N // 2) -> bytes:
+    """The block ``frame`` holds, placed into two pieces cut at ``cut``."""
     out = bytearray(N)
-    half = N // 2
-    unframe_into(frame, [memoryview(out)[:half], memoryview(out)[half:]], FP, N, key, name=NAME)
+    unframe_into(frame, [memoryview(out)[:cut], memoryview(out)[cut:]], FP, N, key, name=NAME)
     return bytes(out)
+
+
+def framing_at(commit: str) -> ModuleType:
+    """kvdi's framing module as ``commit`` had it (the test skips in a checkout without it: a shallow clone)."""
+    root = Path(__file__).resolve().parents[2]
+    shown = subprocess.run(
+        ["git", "show", f"{commit}:kvdi/connectors/store/framing.py"], cwd=root, capture_output=True, text=True
+    )
+    if shown.returncode != 0:
+        pytest.skip(f"commit {commit} is not in this checkout (shallow clone?)")
+    old = ModuleType(f"framing_{commit}")
+    exec(compile(shown.stdout, f"framing_{commit}.py", "exec"), old.__dict__)
+    return old
 
 
 # -- the frame ---------------------------------------------------------------------------------
@@ -148,14 +161,7 @@ def test_a_compressed_frame_longer_than_a_block_is_a_length_miss() -> None:
 
 def test_a_reader_without_the_codec_flag_counts_a_compressed_frame_as_a_miss() -> None:
     """The framing module of the commit before compression, run on a compressed frame: a ``header`` miss."""
-    root = Path(__file__).resolve().parents[2]
-    shown = subprocess.run(
-        ["git", "show", f"{BASE_COMMIT}:kvdi/connectors/store/framing.py"], cwd=root, capture_output=True, text=True
-    )
-    if shown.returncode != 0:
-        pytest.skip(f"commit {BASE_COMMIT} is not in this checkout (shallow clone?)")
-    old = ModuleType("old_framing")
-    exec(compile(shown.stdout, "old_framing.py", "exec"), old.__dict__)
+    old = framing_at(BASE_COMMIT)
     stored = b"".join(Compressor("zstd").frame(NAME, plain(ZEROS)))
     with pytest.raises(old.CorruptObjectError) as caught:
         old.unframe(stored, FP, N, name=NAME)

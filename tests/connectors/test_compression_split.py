@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
 zstandard = pytest.importorskip("zstandard")
@@ -25,6 +21,7 @@ from kvdi.connectors.store.framing import (  # noqa: E402
     unframe,
 )
 from kvdi.testing.conformance import KEYS, LAYOUT  # noqa: E402
+from tests.connectors.test_compression import framing_at, placed, plain  # noqa: E402
 
 FP = LAYOUT.fingerprint()
 N = LAYOUT.block_bytes
@@ -37,16 +34,6 @@ def bf16_block(nbytes: int, seed: int = 7) -> bytes:
     generator = torch.Generator().manual_seed(seed)
     values = torch.randn(nbytes // 2, generator=generator) * 0.05
     return values.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
-
-
-def plain(payload: bytes, key: FrameKey | None = None) -> list[bytes]:
-    return [frame_header(FP, payload, key, name=NAME), payload]
-
-
-def placed(frame: bytes, key: FrameKey | None = None, cut: int = N // 2) -> bytes:
-    out = bytearray(N)
-    unframe_into(frame, [memoryview(out)[:cut], memoryview(out)[cut:]], FP, N, key, name=NAME)
-    return bytes(out)
 
 
 def test_split_groups_bytes_by_position_and_joins_them_back_across_pieces() -> None:
@@ -135,17 +122,7 @@ def test_the_split_flag_without_zstd_is_a_header_miss() -> None:
 
 def test_a_reader_that_knows_zstd_but_not_split_counts_a_split_frame_as_a_miss() -> None:
     """The framing module of the commit before the split codec, run on a split frame: a ``header`` miss."""
-    root = Path(__file__).resolve().parents[2]
-    shown = subprocess.run(
-        ["git", "show", f"{ZSTD_ONLY_COMMIT}:kvdi/connectors/store/framing.py"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-    )
-    if shown.returncode != 0:
-        pytest.skip(f"commit {ZSTD_ONLY_COMMIT} is not in this checkout (shallow clone?)")
-    old = ModuleType("zstd_only_framing")
-    exec(compile(shown.stdout, "zstd_only_framing.py", "exec"), old.__dict__)
+    old = framing_at(ZSTD_ONLY_COMMIT)
     assert old.KNOWN_FLAGS == 3  # it knows the MAC and zstd, nothing else
     stored = b"".join(Compressor("zstd-split", element_bytes=4).frame(NAME, plain(bytes(N))))
     with pytest.raises(old.CorruptObjectError) as caught:
