@@ -155,6 +155,10 @@ class SharedStorageSettings(_Section):
     max_bytes: int | None = Field(None, gt=0, le=MAX_STORE_BYTES)
     mode: int = 0o600
     """Mode of object files (octal, e.g. "0640" for a group-shared store); folders get x where r is set."""
+    format: Literal["per_rank", "canonical"] = "per_rank"
+    """``canonical``: sections any TP/PP shape shares, replicated KV once (docs/stored-format.md)."""
+    section_layers: int = Field(0, ge=0, le=1024)
+    """Layers per canonical section (0: all); must divide the model's layers and every PP stage's."""
 
     @field_validator("mode", mode="before")
     @classmethod

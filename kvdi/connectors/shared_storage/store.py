@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.shared_storage.fileio import link_fd, list_entries, readv_full, writev_full
 from kvdi.connectors.shared_storage.safe_dir import SafeDir, vet_root
+from kvdi.connectors.store.canonical_store import CanonicalBlockStore, canonical_object_bytes
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer
 from kvdi.connectors.store.integrity import frame_key
 from kvdi.errors import ConfigError
@@ -363,12 +364,17 @@ class FileBlockStore:
         self._dirs.close()
 
 
-def open_store(options: SharedStorageSettings, layout: KVCacheSpec, settings: KvdiSettings) -> FileBlockStore:
-    """The backend factory named by the ``shared_storage`` spec: creates the directory if needed."""
-    frame_key(settings)  # a bad integrity key is a ConfigError when the backend is built (and in `kvdi check`)
+def open_store(
+    options: SharedStorageSettings, layout: KVCacheSpec, settings: KvdiSettings
+) -> FileBlockStore | CanonicalBlockStore:
+    """The backend factory named by the ``shared_storage`` spec: creates the directory if needed. With
+    ``format="canonical"`` the files are canonical sections behind :class:`CanonicalBlockStore`."""
+    key = frame_key(settings)  # a bad integrity key is a ConfigError when the backend is built (and in `kvdi check`)
     root = Path(options.path).expanduser()
     vet_root(root, options.mode)  # others may not write; a world-writable root is worth a warning
-    store = FileBlockStore(root, options.max_bytes, mode=options.mode, object_bytes=HEADER_SIZE + layout.block_bytes)
+    canonical = options.format == "canonical"
+    size = canonical_object_bytes(layout, options.section_layers) if canonical else HEADER_SIZE + layout.block_bytes
+    store = FileBlockStore(root, options.max_bytes, mode=options.mode, object_bytes=size)
     try:
         store.open()  # now: a bad path is a ConfigError at build time, not a miss per call
     except OSError as exc:
@@ -380,7 +386,7 @@ def open_store(options: SharedStorageSettings, layout: KVCacheSpec, settings: Kv
             f"KVDI_SHARED_STORAGE__PATH={str(root)!r}: cannot use it as the KV store directory ({why}); "
             f"point it at a writable directory"
         ) from None
-    return store
+    return CanonicalBlockStore(store, layout, key, options.section_layers) if canonical else store
 
 
 __all__ = ["DEFAULT_MODE", "FileBlockStore", "dir_mode", "open_store"]

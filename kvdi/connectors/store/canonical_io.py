@@ -91,8 +91,8 @@ class CanonicalRank:
     def load(self, blocks: Sequence[tuple[bytes, Layers]]) -> int:
         """Load the leading blocks whose needed sections are all present and valid into their (writable)
         per-layer buffers; return how many. The first block that is not, and every one after it, is a miss."""
-        for n, (block_key, layers) in enumerate(blocks):
-            payloads = self._fetch(block_key)
+        fetched = self.fetch_many([key for key, _ in blocks])
+        for n, ((_, layers), payloads) in enumerate(zip(blocks, fetched, strict=True)):
             if payloads is None:
                 self.misses["blocks"] += len(blocks) - n
                 return n
@@ -101,14 +101,23 @@ class CanonicalRank:
             self.loaded_blocks += 1
         return len(blocks)
 
-    def _fetch(self, block_key: bytes) -> list[memoryview] | None:
-        """Every needed section of one block, verified; None (reason counted) when any is absent or bad."""
-        names = [s.key(block_key) for s in self.reads]
+    def fetch_many(self, block_keys: Sequence[bytes]) -> list[list[memoryview] | None]:
+        """Every needed section of each block, verified (one store call for all); None for a block where any
+        section is absent or bad (its reason counted, a bad object discarded)."""
+        per = len(self.reads)
+        names = [s.key(k) for k in block_keys for s in self.reads]
         try:
-            found = self.store.get_many(names)
+            found = self.store.get_many(names) if names else []
+            if len(found) != len(names):
+                raise ValueError(f"get_many returned {len(found)} objects for {len(names)} keys")
         except Exception:  # a store call that fails is a miss, never an exception
             self.misses["error"] += 1
-            return None
+            return [None] * len(block_keys)
+        return [
+            self._check(names[i * per : (i + 1) * per], found[i * per : (i + 1) * per]) for i in range(len(block_keys))
+        ]
+
+    def _check(self, names: Sequence[bytes], found: Sequence[Buffer | None]) -> list[memoryview] | None:
         payloads: list[memoryview] = []
         for section, name, buf in zip(self.reads, names, found, strict=True):
             if buf is None or memoryview(buf).nbytes == 0:

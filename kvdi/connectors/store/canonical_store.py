@@ -1,0 +1,167 @@
+"""A :class:`~kvdi.connectors.store.BlockStore` that keeps canonical sections behind the per-rank frame interface.
+
+The store halves keep framing, verifying and copying per-rank frames of their layout; this wrapper,
+put between them and a backend (``KVDI_SHARED_STORAGE__FORMAT=canonical``), turns each frame written
+into the canonical sections this rank writes (:mod:`.canonical_io`: replicated heads by one rank
+only), and each block read into a per-rank frame assembled from the sections this rank needs, each
+verified first. A block is there only when every section it needs is present and valid; anything
+else is a miss (``None``), counted by reason in :attr:`CanonicalBlockStore.misses`.
+
+Which part of the model this process holds comes from its layout: a model id ending in
+``#canonical`` is the whole model; ``#canonical:L{start}+{count}/{layers}:T{rank}/{size}:H{heads}``
+(:func:`part_tag`, made by :class:`~kvdi.integrations.vllm.parallel.RankSlice`) is one TP/PP rank's
+share of a model with ``layers`` layers and ``heads`` KV heads. A layout with neither is the whole model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvdi.connectors.store.canonical import HEADER_SIZE, Geometry, RankPart, write_plan
+from kvdi.connectors.store.canonical_convert import unpack_section
+from kvdi.connectors.store.canonical_io import CanonicalRank
+from kvdi.connectors.store.framing import Buffer, FrameKey, frame_header
+from kvdi.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvdi.connectors.store.protocol import BlockStore
+    from kvdi.layout import KVCacheSpec
+
+TAG = "#canonical"
+_PART = re.compile(r"#canonical(?::L(\d+)\+(\d+)/(\d+):T(\d+)/(\d+):H(\d+))?$")
+
+
+def part_tag(layer_start: int, layer_count: int, num_layers: int, tp_rank: int, tp_size: int, num_kv_heads: int) -> str:
+    """The model-id suffix naming one rank's share (just :data:`TAG` when the share is the whole model)."""
+    if layer_count == num_layers and tp_size == 1:
+        return TAG
+    return f"{TAG}:L{layer_start}+{layer_count}/{num_layers}:T{tp_rank}/{tp_size}:H{num_kv_heads}"
+
+
+def geometry_of(layout: KVCacheSpec, section_layers: int = 0) -> tuple[Geometry, RankPart]:
+    """The model's :class:`Geometry` and this process's :class:`RankPart`, read from ``layout`` (see above)."""
+    found = _PART.search(layout.model_id)
+    model_id = layout.model_id[: found.start()] if found else layout.model_id
+    if found is None or found.group(1) is None:
+        g = Geometry(
+            model_id, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype,
+            section_layers=section_layers,
+        )  # fmt: skip
+        return g, RankPart.of(g)
+    start, count, layers, rank, size, heads = (int(v) for v in found.groups())
+    g = Geometry(model_id, layers, heads, layout.head_dim, layout.block_size, layout.dtype, section_layers)
+    part = RankPart.of(g, size, rank, (start, count))
+    if (part.layer_count, part.head_count) != (layout.num_layers, layout.num_kv_heads):
+        raise ValueError(
+            f"layout {layout.model_id!r} holds {layout.num_layers} layers x {layout.num_kv_heads} KV heads, "
+            f"its canonical tag says {part.layer_count} x {part.head_count}"
+        )
+    return g, part
+
+
+def canonical_object_bytes(layout: KVCacheSpec, section_layers: int = 0) -> int:
+    """The size of every canonical section object of ``layout``'s model (the grid divides it evenly).
+
+    Raises ConfigError, in one line, for a grid that does not divide the model or this rank's share."""
+    try:
+        geometry, part = geometry_of(layout, section_layers)
+        write_plan(geometry, part)
+    except ValueError as exc:
+        raise ConfigError(f"KVDI_SHARED_STORAGE__SECTION_LAYERS={section_layers}: {exc}") from None
+    return HEADER_SIZE + geometry.section_bytes(geometry.sections()[0])
+
+
+class CanonicalBlockStore:
+    """Per-rank frames in, canonical sections out (and back); see the module docstring."""
+
+    def __init__(
+        self, inner: BlockStore, layout: KVCacheSpec, key: FrameKey | None = None, section_layers: int = 0
+    ) -> None:
+        geometry, part = geometry_of(layout, section_layers)
+        self.inner = inner
+        self.rank = CanonicalRank(inner, geometry, part, layout.block_order, key)
+        self.hit_source = getattr(inner, "hit_source", "external_unspecified")
+        self._fingerprint = layout.fingerprint()
+        self._key = key
+        self._layers = layout.num_layers
+        self._layer_bytes = layout.layer_block_bytes
+        self._block_bytes = layout.block_bytes
+
+    @property
+    def misses(self) -> Counter[str]:
+        """Sections that were not loaded, by reason (``absent``, ``checksum``, ``old_format``, ...)."""
+        return self.rank.misses
+
+    @property
+    def object_bytes(self) -> int:
+        """The size of every stored section object."""
+        return HEADER_SIZE + self.rank.geometry.section_bytes(self.rank.reads[0])
+
+    def parts(self) -> list[BlockStore]:
+        """:class:`~kvdi.connectors.store.CompositeStore`: the wrapped backend (hit source, health, events)."""
+        return [self.inner]
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        return self.rank.count_prefix(keys)
+
+    def _layers_of(self, pieces: Sequence[Buffer]) -> list[Buffer]:
+        """A frame's payload pieces (after its header) as one buffer per layer (joined when not per layer)."""
+        payload = pieces[1:]
+        if len(payload) == self._layers and all(memoryview(p).nbytes == self._layer_bytes for p in payload):
+            return list(payload)
+        flat = memoryview(b"".join(payload))
+        if flat.nbytes != self._block_bytes:
+            raise ValueError(f"a frame of {flat.nbytes} B of payload, this layout's block has {self._block_bytes} B")
+        lb = self._layer_bytes
+        return [flat[i * lb : (i + 1) * lb] for i in range(self._layers)]
+
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
+        """Write this rank's sections of each framed block; return the blocks whose sections were all written."""
+        if not items:
+            return 0
+        if not self.rank.writes:  # a rank holding only replicas another rank writes: nothing to do
+            return len(items)
+        written = self.rank.save([(key, self._layers_of(pieces)) for key, pieces in items])
+        return written // len(self.rank.writes)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """Each block as a per-rank frame assembled from its verified sections; None where any is missing or bad."""
+        out: list[Buffer | None] = []
+        for key, payloads in zip(keys, self.rank.fetch_many(keys), strict=True):
+            if payloads is None:
+                out.append(None)
+                continue
+            block = bytearray(self._block_bytes)
+            view = memoryview(block)
+            lb = self._layer_bytes
+            layers = [view[i * lb : (i + 1) * lb] for i in range(self._layers)]
+            for section, payload in zip(self.rank.reads, payloads, strict=True):
+                unpack_section(self.rank.geometry, self.rank.part, layers, self.rank.order, section, payload)
+            self.rank.loaded_blocks += 1
+            out.append(frame_header(self._fingerprint, block, self._key, name=key) + block)
+        return out
+
+    def discard(self, key: bytes) -> None:
+        """Drop every section of block ``key`` (the grid's, not only this rank's: a bad block goes for all)."""
+        for section in self.rank.geometry.sections():
+            self.inner.discard(section.key(key))
+
+    @property
+    def stored_bytes(self) -> int | None:
+        """The wrapped store's gauge (``vllm:kvdi_store_bytes``), when it has one."""
+        value = getattr(self.inner, "stored_bytes", None)
+        return value if isinstance(value, int) else None
+
+    def check(self) -> str:
+        """The wrapped store's health line (``kvdi check``), marked canonical."""
+        probe = getattr(self.inner, "check", None)
+        return f"canonical sections; {probe()}" if callable(probe) else "canonical sections"
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+__all__ = ["TAG", "CanonicalBlockStore", "canonical_object_bytes", "geometry_of", "part_tag"]

@@ -1,0 +1,124 @@
+"""shared_storage with ``format="canonical"``: kvdi's store halves write sections any TP shape reads (real files)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvdi.connectors.base import (
+    BlockTransfer,
+    BlockTransferMetadata,
+    ConnectorContext,
+    KVConnectorRole,
+    run_transfer_step,
+)
+from kvdi.connectors.shared_storage import open_store
+from kvdi.connectors.store import StoreWorkerConnector
+from kvdi.connectors.store.canonical import Section
+from kvdi.connectors.store.canonical_store import CanonicalBlockStore, part_tag
+from kvdi.connectors.store.keys import block_keys
+from kvdi.errors import ConfigError
+from kvdi.layout import KVCacheSpec
+from kvdi.settings import KvdiSettings
+from tests.helpers.store import make_caches
+
+HEADS, LAYERS, BS = 2, 2, 4
+WHOLE = KVCacheSpec("m#canonical", LAYERS, HEADS, 8, BS, "float32")
+TOKENS = list(range(4 * BS + 1))
+KEYS = tuple(block_keys(TOKENS, WHOLE))
+
+
+def rank_layout(rank: int, tp: int = 2, heads: int = HEADS) -> KVCacheSpec:
+    tag = part_tag(0, LAYERS, LAYERS, rank, tp, heads)
+    return KVCacheSpec(f"m{tag}", LAYERS, max(1, heads // tp), 8, BS, "float32")
+
+
+def settings(root: Path, **extra: object) -> KvdiSettings:
+    options = {"path": str(root), "format": "canonical", **extra}
+    return KvdiSettings(kv_role="kv_both", engine_id="test", shared_storage=options)
+
+
+def worker(root: Path, layout: KVCacheSpec, seed: int | None = None) -> tuple[StoreWorkerConnector, dict]:
+    s = settings(root)
+    store = open_store(s.shared_storage, layout, s)
+    half = StoreWorkerConnector(ConnectorContext("shared_storage", KVConnectorRole.WORKER, s, layout, None, store))
+    caches = make_caches(layout, 16, seed)
+    half.register_kv_caches(caches)
+    return half, caches
+
+
+def step(half: StoreWorkerConnector, ids: tuple[int, ...], save: bool) -> set[int]:
+    transfer = (BlockTransfer("r", ids, KEYS),)
+    meta = BlockTransferMetadata(() if save else transfer, transfer if save else ())
+    failed = run_transfer_step(half, meta)
+    half.flush()
+    return failed
+
+
+def test_tp1_saves_and_each_tp2_rank_loads_its_head(tmp_path: Path) -> None:
+    writer, src = worker(tmp_path, WHOLE, seed=1)
+    assert step(writer, (0, 1, 2, 3), save=True) == set()
+    assert writer.stats.saved_blocks == 4
+    assert len([p for p in tmp_path.rglob("*") if p.is_file()]) == 4 * HEADS  # one section per block and head
+    for rank in range(2):
+        reader, dst = worker(tmp_path, rank_layout(rank))
+        assert step(reader, (5, 6, 7, 8), save=False) == set()
+        assert reader.stats.loaded_blocks == 4
+        for name in WHOLE.layer_names:  # kvdi order [2, N, H, D]: this rank's head only
+            assert torch.equal(dst[name][5:9], src[name][0:4][:, :, :, rank : rank + 1])
+
+
+def test_tp2_ranks_save_and_tp1_loads_the_union(tmp_path: Path) -> None:
+    parts = [worker(tmp_path, rank_layout(r), seed=10 + r) for r in range(2)]
+    for half, _ in parts:
+        assert step(half, (0, 1, 2, 3), save=True) == set()
+    reader, dst = worker(tmp_path, WHOLE)
+    assert step(reader, (4, 5, 6, 7), save=False) == set()
+    for name in WHOLE.layer_names:
+        for r, (_, src) in enumerate(parts):
+            assert torch.equal(dst[name][4:8][:, :, :, r : r + 1], src[name][0:4])
+
+
+def test_a_replica_holder_writes_nothing_and_reads_the_one_copy(tmp_path: Path) -> None:
+    one = KVCacheSpec("m#canonical", LAYERS, 1, 8, BS, "float32")
+    writers = [worker(tmp_path, rank_layout(r, heads=1), seed=3) for r in range(2)]
+    for half, _ in writers:
+        assert step(half, (0, 1, 2, 3), save=True) == set()
+        assert half.stats.saved_blocks == 4  # rank 1's "save" succeeds with nothing to write
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) == 4  # one object per block: what a TP=1 writer stores
+    reader, dst = worker(tmp_path, one)
+    assert step(reader, (8, 9, 10, 11), save=False) == set()
+    assert all(torch.equal(dst[n][8:12], writers[0][1][n][0:4]) for n in one.layer_names)
+
+
+def test_a_missing_section_is_a_counted_load_error_on_every_rank_needing_it(tmp_path: Path) -> None:
+    writer, _ = worker(tmp_path, WHOLE, seed=1)
+    step(writer, (0, 1, 2, 3), save=True)
+    store = writer.store
+    assert isinstance(store, CanonicalBlockStore)
+    os.unlink(store.inner.path_for(Section(0, LAYERS, 1, 1).key(KEYS[2])))  # head 1 of block 2
+    assert store.count_prefix(list(KEYS)) == 2  # the scheduler offers two blocks
+    r0, _ = worker(tmp_path, rank_layout(0))
+    r1, _ = worker(tmp_path, rank_layout(1))
+    assert step(r0, (5, 6, 7, 8), save=False) == set()  # rank 0 never needs head 1
+    assert step(r1, (5, 6, 7, 8), save=False) == {7, 8}
+    assert r1.stats.loaded_blocks == 2 and isinstance(r1.store, CanonicalBlockStore)
+    assert r1.store.misses["absent"] == 1
+
+
+def test_settings_refuse_a_grid_that_does_not_divide(tmp_path: Path) -> None:
+    s = settings(tmp_path, section_layers=3)
+    with pytest.raises(ConfigError, match="KVDI_SHARED_STORAGE__SECTION_LAYERS=3"):
+        open_store(s.shared_storage, WHOLE, s)
+    with pytest.raises(ValueError, match="format"):
+        settings(tmp_path, format="canon")
+
+
+def test_per_rank_stays_the_default(tmp_path: Path) -> None:
+    s = KvdiSettings(kv_role="kv_both", engine_id="test", shared_storage={"path": str(tmp_path)})
+    assert s.shared_storage.format == "per_rank"
+    assert not isinstance(open_store(s.shared_storage, WHOLE, s), CanonicalBlockStore)
