@@ -64,6 +64,7 @@ class StoreStats:
 def store_stats(admin: StoreAdmin, selection: Selection | None = None, progress: Progress | None = None) -> StoreStats:
     """Count every (selected) kvdi object of the store (its header read to tell), in total and per layout."""
     from kvdi.admin.select import layout_of
+    from kvdi.connectors.store.canonical import MAGIC as CANONICAL_MAGIC
 
     total = GroupStats()
     groups: dict[str, GroupStats] = {}
@@ -75,6 +76,11 @@ def store_stats(admin: StoreAdmin, selection: Selection | None = None, progress:
             progress(done, len(listing))
         if head is None:
             continue  # vanished
+        if head[:4] == CANONICAL_MAGIC and len(head) >= 24:  # issue 30: canonical sections, a group apart
+            if selection is None:
+                total.add(obj)
+                groups.setdefault(f"canonical:{head[8:24].hex()}", GroupStats()).add(obj)
+            continue
         if not is_frame_header(head):
             foreign += 1
             odd += obj.odd is not None

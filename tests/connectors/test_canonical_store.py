@@ -122,3 +122,51 @@ def test_per_rank_stays_the_default(tmp_path: Path) -> None:
     s = KvdiSettings(kv_role="kv_both", engine_id="test", shared_storage={"path": str(tmp_path)})
     assert s.shared_storage.format == "per_rank"
     assert not isinstance(open_store(s.shared_storage, WHOLE, s), CanonicalBlockStore)
+
+
+def test_a_canonical_rank_slice_names_blocks_alike_in_every_shape(tmp_path: Path) -> None:
+    from kvdi.integrations.vllm.parallel import AllRanksStore, CanonicalShare, RankSlice
+
+    share = CanonicalShare(num_layers=LAYERS, num_kv_heads=HEADS, layer_start=0, layer_count=LAYERS)
+    tp2 = RankSlice(tp_size=2, tp_rank=1, canonical=share)
+    assert tp2.layout_tag() == RankSlice(canonical=share).layout_tag() == "#canonical"
+    assert tp2.key(KEYS[0]) == KEYS[0] and RankSlice(tp_size=2, tp_rank=1).key(KEYS[0]) != KEYS[0]
+    assert rank_layout(1).model_id == "m" + tp2.layout_tag() + tp2.rank_tag()  # the worker's layout, parsed back
+    writer, _ = worker(tmp_path, WHOLE, seed=1)
+    step(writer, (0, 1, 2, 3), save=True)
+    lookup = AllRanksStore(writer.store, tp2)  # the TP=2 scheduler's view: one lookup of every section
+    assert lookup.count_prefix(list(KEYS)) == 4
+    lookup.discard(KEYS[0])
+    assert lookup.count_prefix(list(KEYS)) == 0
+    store = writer.store
+    assert isinstance(store, CanonicalBlockStore)
+    assert not any(store.inner.path_for(s.key(KEYS[0])).exists() for s in store.rank.geometry.sections())
+    assert all(store.inner.path_for(s.key(KEYS[1])).exists() for s in store.rank.geometry.sections())
+
+
+def test_a_hybrid_group_layout_is_refused_not_misread(tmp_path: Path) -> None:
+    grouped = KVCacheSpec("m#canonical", LAYERS, HEADS, 8, BS, "float32", group="full:16")
+    s = settings(tmp_path)
+    with pytest.raises(ConfigError, match="KV cache groups"):
+        open_store(s.shared_storage, grouped, s)
+
+
+def test_store_stats_tells_canonical_sections_from_per_rank_frames(tmp_path: Path) -> None:
+    from kvdi.admin import open_admin, store_stats
+    from kvdi.connectors.shared_storage import FileBlockStore
+    from kvdi.connectors.store.framing import frame_header
+    from kvdi.settings import load_settings
+
+    writer, _ = worker(tmp_path, WHOLE, seed=1)
+    step(writer, (0, 1, 2, 3), save=True)
+    old = FileBlockStore(tmp_path)
+    payload = bytes(WHOLE.block_bytes)
+    old.put_many([(b"o" * 16, [frame_header(WHOLE.fingerprint(), payload, name=b"o" * 16), payload])])
+    admin = open_admin(load_settings(shared_storage={"path": tmp_path}))
+    try:
+        stats = store_stats(admin)
+    finally:
+        admin.close()
+    canonical = [g for name, g in stats.groups.items() if name.startswith("canonical:")]
+    assert [g.objects for g in canonical] == [4 * HEADS] and stats.groups[WHOLE.fingerprint().hex()].objects == 1
+    assert stats.total.objects == 4 * HEADS + 1 and stats.foreign == 0

@@ -42,7 +42,14 @@ def part_tag(layer_start: int, layer_count: int, num_layers: int, tp_rank: int, 
 
 
 def geometry_of(layout: KVCacheSpec, section_layers: int = 0) -> tuple[Geometry, RankPart]:
-    """The model's :class:`Geometry` and this process's :class:`RankPart`, read from ``layout`` (see above)."""
+    """The model's :class:`Geometry` and this process's :class:`RankPart`, read from ``layout`` (see above).
+
+    Raises ConfigError for a hybrid model's group layout (its groups are not sectioned yet)."""
+    if layout.group or layout.page_bytes:
+        raise ConfigError(
+            f"KVDI_SHARED_STORAGE__FORMAT=canonical does not store a hybrid model's KV cache groups yet "
+            f"(group {layout.group!r}); use format per_rank, or run vLLM with --disable-hybrid-kv-cache-manager"
+        )
     found = _PART.search(layout.model_id)
     model_id = layout.model_id[: found.start()] if found else layout.model_id
     if found is None or found.group(1) is None:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from kvdi.errors import ConfigError
 from kvdi.integrations.vllm.config import model_identity
-from kvdi.integrations.vllm.parallel import RankSlice
+from kvdi.integrations.vllm.parallel import RankSlice, canonical_share
 from kvdi.integrations.vllm.views import block_view, stored_order
 from kvdi.layout import KVCacheSpec
 
@@ -72,7 +73,9 @@ def rank_slice(vllm_config: Any, worker: bool) -> RankSlice:
     parallel = vllm_config.parallel_config
     tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
     rank = int(getattr(parallel, "rank", 0) or 0) if worker else 0
-    return RankSlice(tp_size=tp, pp_size=pp, tp_rank=rank % tp, pp_rank=rank // tp)
+    return RankSlice(
+        tp_size=tp, pp_size=pp, tp_rank=rank % tp, pp_rank=rank // tp, canonical=canonical_share(vllm_config)
+    )
 
 
 def layout_from_vllm(vllm_config: Any, shape: RankSlice, worker: bool) -> KVCacheSpec:
@@ -83,7 +86,10 @@ def layout_from_vllm(vllm_config: Any, shape: RankSlice, worker: bool) -> KVCach
     names its rank, so one rank's slice never passes as another's. Needs vLLM.
     """
     tag = block_format_tag(vllm_config) + shape.layout_tag() + (shape.rank_tag() if worker else "")
-    return kv_cache_spec(vllm_config, tag)
+    spec = kv_cache_spec(vllm_config, tag)
+    if shape.canonical is not None and not worker:  # canonical: the scheduler names blocks of the whole model
+        spec = replace(spec, num_layers=shape.canonical.num_layers, num_kv_heads=shape.canonical.num_kv_heads)
+    return spec
 
 
 def block_format_tag(vllm_config: Any) -> str:

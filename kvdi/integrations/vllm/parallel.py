@@ -12,6 +12,12 @@ only its KV heads (TP) of its layers (PP). kvdi then stores one object per block
   only when every rank's slice is, so no request is offered a block some rank cannot load.
   A slice that vanishes anyway fails that rank's load; vLLM unions the failed block ids
   of all ranks and recomputes the block on every rank.
+
+With shared_storage's ``format="canonical"`` (:class:`CanonicalShare`) none of that applies: every
+shape names a block alike (the layout says ``#canonical``, the whole model, no shape), the worker's
+layout names its share of the model instead of its rank, keys are never re-keyed, and the store
+(:class:`~kvdi.connectors.store.canonical_store.CanonicalBlockStore`) finds the sections each rank
+needs (docs/stored-format.md).
 """
 
 from __future__ import annotations
@@ -22,8 +28,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata
+from kvdi.connectors.store.canonical_store import TAG, part_tag
 from kvdi.connectors.store.protocol import BlockStore
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
+from kvdi.integrations.vllm.config import written_kwargs
+from kvdi.settings import load_settings
 
 
 class KeyLookup(Protocol):
@@ -35,13 +44,38 @@ class KeyLookup(Protocol):
 
 
 @dataclass(frozen=True)
+class CanonicalShare:
+    """The whole model's layers and KV heads and this rank's layers: what a canonical store needs to know."""
+
+    num_layers: int
+    num_kv_heads: int
+    layer_start: int
+    layer_count: int
+
+
+def canonical_share(vllm_config: Any) -> CanonicalShare | None:
+    """The whole model's layers and KV heads and this rank's layers when the engine stores canonical sections."""
+    if getattr(vllm_config, "kv_transfer_config", None) is None:  # no connector configured: nothing is stored
+        return None
+    settings = load_settings(**written_kwargs(vllm_config))
+    if settings.kv_connector != "shared_storage" or settings.shared_storage.format != "canonical":
+        return None
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    start, end = model.get_layers_start_end_indices(parallel)
+    heads = 1 if getattr(model, "use_mla", False) else int(model.get_total_num_kv_heads())
+    return CanonicalShare(int(model.get_total_num_hidden_layers()), heads, int(start), int(end) - int(start))
+
+
+@dataclass(frozen=True)
 class RankSlice:
-    """One worker rank's place in vLLM's parallel layout (all 1 / 0 when vLLM runs on one device)."""
+    """One worker rank's place in vLLM's parallel layout (all 1 / 0 when vLLM runs on one device);
+    ``canonical`` when the store keeps canonical sections (shape-free keys and layouts)."""
 
     tp_size: int = 1
     pp_size: int = 1
     tp_rank: int = 0
     pp_rank: int = 0
+    canonical: CanonicalShare | None = None
 
     @property
     def sliced(self) -> bool:
@@ -49,28 +83,36 @@ class RankSlice:
         return self.tp_size > 1 or self.pp_size > 1
 
     def layout_tag(self) -> str:
-        """Model-id suffix naming the parallel shape (empty for one rank)."""
+        """Model-id suffix naming the parallel shape (empty for one rank; ``#canonical``, no shape, when canonical)."""
+        if self.canonical is not None:
+            return TAG
         return f"@tp{self.tp_size}pp{self.pp_size}" if self.sliced else ""
 
     def rank_tag(self) -> str:
-        """Model-id suffix naming this rank within the shape (empty for one rank)."""
+        """Model-id suffix naming this rank within the shape (empty for one rank); canonical: its share of the
+        model (:func:`~kvdi.connectors.store.canonical_store.part_tag`, after ``#canonical``)."""
+        c = self.canonical
+        if c is not None:
+            tag = part_tag(c.layer_start, c.layer_count, c.num_layers, self.tp_rank, self.tp_size, c.num_kv_heads)
+            return tag.removeprefix(TAG)
         return f".rank{self.tp_rank}-{self.pp_rank}" if self.sliced else ""
 
     def ranks(self) -> list[RankSlice]:
         """Every rank of this shape."""
-        return [RankSlice(self.tp_size, self.pp_size, t, p) for p in range(self.pp_size) for t in range(self.tp_size)]
+        shape, canonical = (self.tp_size, self.pp_size), self.canonical
+        return [RankSlice(*shape, t, p, canonical) for p in range(self.pp_size) for t in range(self.tp_size)]
 
     def key(self, block_key: bytes) -> bytes:
-        """The key of this rank's slice of the block ``block_key`` (``block_key`` itself for one rank)."""
-        if not self.sliced:
+        """The key of this rank's slice of the block ``block_key`` (``block_key`` itself for one rank or canonical)."""
+        if not self.sliced or self.canonical is not None:
             return block_key
         h = hashlib.blake2b(block_key, digest_size=len(block_key), person=b"kvdi-rank-slice")
         h.update(f"{self.tp_rank}/{self.tp_size}:{self.pp_rank}/{self.pp_size}".encode())
         return h.digest()
 
     def rekey(self, metadata: BlockTransferMetadata) -> BlockTransferMetadata:
-        """``metadata`` with every block key replaced by this rank's slice key."""
-        if not self.sliced:
+        """``metadata`` with every block key replaced by this rank's slice key (as it is when canonical)."""
+        if not self.sliced or self.canonical is not None:
             return metadata
 
         def each(transfers: Sequence[BlockTransfer]) -> tuple[BlockTransfer, ...]:
@@ -94,7 +136,7 @@ class AllRanksStore:
 
     def __init__(self, backend: BlockStore, shape: RankSlice) -> None:
         self.backend = backend
-        self.ranks = shape.ranks()
+        self.ranks = [shape] if shape.canonical is not None else shape.ranks()  # canonical: one key, all sections
 
     def parts(self) -> list[BlockStore]:
         """:class:`~kvdi.connectors.store.CompositeStore`: the wrapped backend (its hit source and health)."""
