@@ -225,6 +225,10 @@ class RedisSettings(_Section):
     """Store blocks zstd-compressed (``zstd``: whenever smaller; ``zstd-split``: denser, bytes split by their
     place in the element first; ``auto``: zstd when the link is slower than compressing pays, measured);
     recorded in each frame, so any reader loads any (docs/compression.md). Needs ``zstandard``."""
+    format: Literal["per_rank", "canonical"] = "per_rank"
+    """``canonical``: sections any TP/PP shape shares, replicated KV once (docs/stored-format.md); no compression."""
+    section_layers: int = Field(0, ge=0, le=1024)
+    """Layers per canonical section (0: all); must divide the model's layers and every PP stage's."""
 
     @field_validator("url")
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -170,3 +171,29 @@ def test_store_stats_tells_canonical_sections_from_per_rank_frames(tmp_path: Pat
     canonical = [g for name, g in stats.groups.items() if name.startswith("canonical:")]
     assert [g.objects for g in canonical] == [4 * HEADS] and stats.groups[WHOLE.fingerprint().hex()].objects == 1
     assert stats.total.objects == 4 * HEADS + 1 and stats.foreign == 0
+
+
+def test_redis_canonical_tp1_saves_tp2_ranks_load(redis_server: Any) -> None:
+    from kvdi.connectors.redis import open_store as open_redis
+
+    def redis_worker(
+        layout: KVCacheSpec, seed: int | None = None, **extra: object
+    ) -> tuple[StoreWorkerConnector, dict]:
+        options = {"url": redis_server.url, "format": "canonical", **extra}
+        s = KvdiSettings(kv_connector="redis", kv_role="kv_both", engine_id="test", redis=options)
+        store = open_redis(s.redis, layout, s)
+        half = StoreWorkerConnector(ConnectorContext("redis", KVConnectorRole.WORKER, s, layout, None, store))
+        caches = make_caches(layout, 16, seed)
+        half.register_kv_caches(caches)
+        return half, caches
+
+    writer, src = redis_worker(WHOLE, seed=5)
+    assert step(writer, (0, 1, 2, 3), save=True) == set() and writer.stats.saved_blocks == 4
+    for rank in range(2):
+        reader, dst = redis_worker(rank_layout(rank))
+        assert step(reader, (5, 6, 7, 8), save=False) == set() and reader.stats.loaded_blocks == 4
+        assert all(torch.equal(dst[n][5:9], src[n][0:4][:, :, :, rank : rank + 1]) for n in WHOLE.layer_names)
+        reader.shutdown()
+    writer.shutdown()
+    with pytest.raises(ConfigError, match="KVDI_REDIS__COMPRESSION='zstd' with KVDI_REDIS__FORMAT=canonical"):
+        redis_worker(WHOLE, compression="zstd")

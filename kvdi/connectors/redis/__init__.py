@@ -16,9 +16,11 @@ from kvdi.connectors.redis.breaker import BreakerOpenError, BreakerState, Circui
 from kvdi.connectors.redis.cluster import RedisClusterBlockStore
 from kvdi.connectors.redis.server import RedisBlockStore, RedisNode
 from kvdi.connectors.redis.wire import send_gathered
+from kvdi.connectors.store.canonical_store import CanonicalBlockStore, canonical_object_bytes
 from kvdi.connectors.store.codec import compressor_for
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.integrity import frame_key
+from kvdi.errors import ConfigError
 from kvdi.layout import DTYPE_BYTES
 from kvdi.masking import MASK, mask_url
 
@@ -33,19 +35,27 @@ reads never return more than ``HEADER_SIZE + block_bytes + FRAME_ROOM + 1`` byte
 
 def open_store(
     options: RedisSettings, layout: KVCacheSpec, settings: KvdiSettings
-) -> RedisBlockStore | RedisClusterBlockStore:
-    """The ``redis`` connector's backend: a store on the server or cluster ``KVDI_REDIS__URL`` names (lazy)."""
+) -> RedisBlockStore | RedisClusterBlockStore | CanonicalBlockStore:
+    """The ``redis`` connector's backend: a store on the server or cluster ``KVDI_REDIS__URL`` names (lazy).
+    With ``format="canonical"`` each key holds one canonical section (:class:`CanonicalBlockStore`)."""
     compressor = compressor_for(
         options.compression, frame_key(settings), "KVDI_REDIS__COMPRESSION", DTYPE_BYTES[layout.dtype]
     )
-    limit = HEADER_SIZE + layout.block_bytes + FRAME_ROOM
+    canonical = options.format == "canonical"
+    if canonical and compressor is not None:
+        raise ConfigError(
+            f"KVDI_REDIS__COMPRESSION={options.compression!r} with KVDI_REDIS__FORMAT=canonical: canonical sections "
+            "are stored uncompressed; set compression none or format per_rank"
+        )
+    size = canonical_object_bytes(layout, options.section_layers, "KVDI_REDIS") if canonical else None
+    limit = (size or HEADER_SIZE + layout.block_bytes) + FRAME_ROOM
     store: RedisBlockStore | RedisClusterBlockStore
     if options.cluster:
         store = RedisClusterBlockStore(options, max_object_bytes=limit)
     else:
         store = RedisBlockStore(options, max_object_bytes=limit)
     store.compressor = compressor  # blocks are read whole then (codec.read_capabilities), not into the cache
-    return store
+    return CanonicalBlockStore(store, layout, frame_key(settings), options.section_layers) if canonical else store
 
 
 __all__ = [

@@ -47,8 +47,9 @@ def geometry_of(layout: KVCacheSpec, section_layers: int = 0) -> tuple[Geometry,
     Raises ConfigError for a hybrid model's group layout (its groups are not sectioned yet)."""
     if layout.group or layout.page_bytes:
         raise ConfigError(
-            f"KVDI_SHARED_STORAGE__FORMAT=canonical does not store a hybrid model's KV cache groups yet "
-            f"(group {layout.group!r}); use format per_rank, or run vLLM with --disable-hybrid-kv-cache-manager"
+            f"format=canonical (KVDI_SHARED_STORAGE__FORMAT, KVDI_REDIS__FORMAT) does not store a hybrid model's "
+            f"KV cache groups yet (group {layout.group!r}); use format per_rank, or run vLLM with "
+            "--disable-hybrid-kv-cache-manager"
         )
     found = _PART.search(layout.model_id)
     model_id = layout.model_id[: found.start()] if found else layout.model_id
@@ -69,7 +70,7 @@ def geometry_of(layout: KVCacheSpec, section_layers: int = 0) -> tuple[Geometry,
     return g, part
 
 
-def canonical_object_bytes(layout: KVCacheSpec, section_layers: int = 0) -> int:
+def canonical_object_bytes(layout: KVCacheSpec, section_layers: int = 0, option: str = "KVDI_SHARED_STORAGE") -> int:
     """The size of every canonical section object of ``layout``'s model (the grid divides it evenly).
 
     Raises ConfigError, in one line, for a grid that does not divide the model or this rank's share."""
@@ -77,7 +78,7 @@ def canonical_object_bytes(layout: KVCacheSpec, section_layers: int = 0) -> int:
         geometry, part = geometry_of(layout, section_layers)
         write_plan(geometry, part)
     except ValueError as exc:
-        raise ConfigError(f"KVDI_SHARED_STORAGE__SECTION_LAYERS={section_layers}: {exc}") from None
+        raise ConfigError(f"{option}__SECTION_LAYERS={section_layers}: {exc}") from None
     return HEADER_SIZE + geometry.section_bytes(geometry.sections()[0])
 
 

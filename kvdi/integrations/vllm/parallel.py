@@ -58,7 +58,8 @@ def canonical_share(vllm_config: Any) -> CanonicalShare | None:
     if getattr(vllm_config, "kv_transfer_config", None) is None:  # no connector configured: nothing is stored
         return None
     settings = load_settings(**written_kwargs(vllm_config))
-    if settings.kv_connector != "shared_storage" or settings.shared_storage.format != "canonical":
+    connector = settings.kv_connector
+    if connector not in ("shared_storage", "redis") or getattr(settings, connector).format != "canonical":
         return None
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     start, end = model.get_layers_start_end_indices(parallel)
