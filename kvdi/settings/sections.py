@@ -159,6 +159,8 @@ class SharedStorageSettings(_Section):
     """``canonical``: sections any TP/PP shape shares, replicated KV once (docs/stored-format.md)."""
     section_layers: int = Field(0, ge=0, le=1024)
     """Layers per canonical section (0: all); must divide the model's layers and every PP stage's."""
+    section_heads: int = Field(1, gt=0, le=1024)
+    """KV heads per canonical section; must divide every TP rank's heads (1 fits all; fewer objects when larger)."""
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -229,6 +231,8 @@ class RedisSettings(_Section):
     """``canonical``: sections any TP/PP shape shares, replicated KV once (docs/stored-format.md); no compression."""
     section_layers: int = Field(0, ge=0, le=1024)
     """Layers per canonical section (0: all); must divide the model's layers and every PP stage's."""
+    section_heads: int = Field(1, gt=0, le=1024)
+    """KV heads per canonical section; must divide every TP rank's heads (1 fits all; fewer objects when larger)."""
 
     @field_validator("url")
     @classmethod

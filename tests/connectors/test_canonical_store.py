@@ -20,6 +20,7 @@ from kvdi.connectors.shared_storage import open_store
 from kvdi.connectors.store import StoreWorkerConnector
 from kvdi.connectors.store.canonical import Section
 from kvdi.connectors.store.canonical_store import CanonicalBlockStore, part_tag
+from kvdi.connectors.store.framing import unframe
 from kvdi.connectors.store.keys import block_keys
 from kvdi.errors import ConfigError
 from kvdi.layout import KVCacheSpec
@@ -103,6 +104,9 @@ def test_a_missing_section_is_a_counted_load_error_on_every_rank_needing_it(tmp_
     assert isinstance(store, CanonicalBlockStore)
     os.unlink(store.inner.path_for(Section(0, LAYERS, 1, 1).key(KEYS[2])))  # head 1 of block 2
     assert store.count_prefix(list(KEYS)) == 2  # the scheduler offers two blocks
+    frames = store.get_many(list(KEYS))  # whole per-rank frames, for stores' callers without get_into_many
+    assert frames[2] is None and all(f is not None for f in frames[:2])
+    assert unframe(frames[0], WHOLE.fingerprint(), WHOLE.block_bytes, name=KEYS[0]).nbytes == WHOLE.block_bytes
     r0, _ = worker(tmp_path, rank_layout(0))
     r1, _ = worker(tmp_path, rank_layout(1))
     assert step(r0, (5, 6, 7, 8), save=False) == set()  # rank 0 never needs head 1
@@ -113,7 +117,7 @@ def test_a_missing_section_is_a_counted_load_error_on_every_rank_needing_it(tmp_
 
 def test_settings_refuse_a_grid_that_does_not_divide(tmp_path: Path) -> None:
     s = settings(tmp_path, section_layers=3)
-    with pytest.raises(ConfigError, match="KVDI_SHARED_STORAGE__SECTION_LAYERS=3"):
+    with pytest.raises(ConfigError, match="KVDI_SHARED_STORAGE__SECTION_LAYERS=3 / __SECTION_HEADS=1"):
         open_store(s.shared_storage, WHOLE, s)
     with pytest.raises(ValueError, match="format"):
         settings(tmp_path, format="canon")

@@ -47,7 +47,8 @@ def open_store(
             f"KVDI_REDIS__COMPRESSION={options.compression!r} with KVDI_REDIS__FORMAT=canonical: canonical sections "
             "are stored uncompressed; set compression none or format per_rank"
         )
-    size = canonical_object_bytes(layout, options.section_layers, "KVDI_REDIS") if canonical else None
+    grid = (options.section_layers, options.section_heads)
+    size = canonical_object_bytes(layout, grid, "KVDI_REDIS") if canonical else None
     limit = (size or HEADER_SIZE + layout.block_bytes) + FRAME_ROOM
     store: RedisBlockStore | RedisClusterBlockStore
     if options.cluster:
@@ -55,7 +56,7 @@ def open_store(
     else:
         store = RedisBlockStore(options, max_object_bytes=limit)
     store.compressor = compressor  # blocks are read whole then (codec.read_capabilities), not into the cache
-    return CanonicalBlockStore(store, layout, frame_key(settings), options.section_layers) if canonical else store
+    return CanonicalBlockStore(store, layout, frame_key(settings), grid) if canonical else store
 
 
 __all__ = [

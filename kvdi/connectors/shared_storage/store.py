@@ -373,7 +373,8 @@ def open_store(
     root = Path(options.path).expanduser()
     vet_root(root, options.mode)  # others may not write; a world-writable root is worth a warning
     canonical = options.format == "canonical"
-    size = canonical_object_bytes(layout, options.section_layers) if canonical else HEADER_SIZE + layout.block_bytes
+    grid = (options.section_layers, options.section_heads)
+    size = canonical_object_bytes(layout, grid) if canonical else HEADER_SIZE + layout.block_bytes
     store = FileBlockStore(root, options.max_bytes, mode=options.mode, object_bytes=size)
     try:
         store.open()  # now: a bad path is a ConfigError at build time, not a miss per call
@@ -386,7 +387,7 @@ def open_store(
             f"KVDI_SHARED_STORAGE__PATH={str(root)!r}: cannot use it as the KV store directory ({why}); "
             f"point it at a writable directory"
         ) from None
-    return CanonicalBlockStore(store, layout, key, options.section_layers) if canonical else store
+    return CanonicalBlockStore(store, layout, key, grid) if canonical else store
 
 
 __all__ = ["DEFAULT_MODE", "FileBlockStore", "dir_mode", "open_store"]

@@ -12,6 +12,7 @@ between an engine's block order and the payload order lives in :mod:`.canonical_
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import struct
@@ -110,7 +111,10 @@ class Geometry:
 
     def fingerprint(self) -> bytes:
         """16 bytes naming model, dtype, geometry, grid and format version (never the shape or the rank)."""
-        text = "|".join(
+        return _fingerprint(self)
+
+    def _text(self) -> str:
+        return "|".join(
             str(v)
             for v in (
                 "canonical",
@@ -126,7 +130,11 @@ class Geometry:
                 ORDER_LKHTD,
             )
         )
-        return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(geometry: Geometry) -> bytes:
+    return hashlib.blake2b(geometry._text().encode(), digest_size=16).digest()
 
 
 @dataclass(frozen=True)
@@ -236,16 +244,27 @@ def frame_section(
 def open_section(
     buf: Buffer, geometry: Geometry, section: Section, key: FrameKey | None = None, *, name: Buffer
 ) -> memoryview:
-    """The payload of a stored section, every header field and the checksum (or MAC) checked.
-
-    Raises :class:`~.framing.CorruptObjectError` with the first reason that applies; a per-rank
-    frame (magic ``KVDI``) is reason ``old_format``.
-    """
+    """The payload of a stored section (header and payload in one buffer), checked as :func:`verify_section` does."""
     view = memoryview(buf).cast("B")
     if view.nbytes >= 4 and bytes(view[:4]) == PER_RANK_MAGIC:
         raise CorruptObjectError("old_format", "a per-rank frame where a canonical section was expected")
     if view.nbytes < HEADER_SIZE:
         raise CorruptObjectError("length", f"object of {view.nbytes} B is shorter than a {HEADER_SIZE} B header")
+    verify_section(view[:HEADER_SIZE], view[HEADER_SIZE:], geometry, section, key, name=name)
+    return view[HEADER_SIZE:]
+
+
+def verify_section(
+    header: Buffer, payload: Buffer, geometry: Geometry, section: Section, key: FrameKey | None = None, *, name: Buffer
+) -> None:
+    """Check a section read as its header and its payload: every header field, then the checksum (or the MAC).
+
+    Raises :class:`~.framing.CorruptObjectError` with the first reason that applies; a per-rank
+    frame (magic ``KVDI``) is reason ``old_format``.
+    """
+    view = memoryview(header).cast("B")
+    if bytes(view[:4]) == PER_RANK_MAGIC:
+        raise CorruptObjectError("old_format", "a per-rank frame where a canonical section was expected")
     magic, version, flags, fp, stored_name, *rest = _HEADER.unpack_from(view)
     ranges, geom, (dtype, order), length, digest, mac = rest[:4], rest[4:8], rest[8:10], rest[10], rest[11], rest[12]
     if magic != MAGIC:
@@ -263,15 +282,14 @@ def open_section(
     g = geometry
     if tuple(geom) != (g.num_layers, g.num_kv_heads, g.head_dim, g.block_size) or dtype != DTYPE_CODES[g.dtype]:
         raise CorruptObjectError("geometry", f"geometry {tuple(geom)} dtype {dtype} does not match this model")
-    expected = geometry.section_bytes(section)
-    if length != expected or view.nbytes != HEADER_SIZE + expected:
-        raise CorruptObjectError("length", f"{view.nbytes} B object, header says {length} B, need {expected} B")
-    payload = view[HEADER_SIZE:]
+    expected, got = geometry.section_bytes(section), memoryview(payload).nbytes
+    if length != expected or got != expected:
+        raise CorruptObjectError("length", f"{got} B of payload, header says {length} B, need {expected} B")
     checked = view[: _CHECKED.size]
     if key is None:
         if checksum([payload, checked]) != digest:
             raise CorruptObjectError("checksum", "payload does not match its section checksum")
-        return payload
+        return
     if not flags & FLAG_MAC:
         raise CorruptObjectError("mac", "section carries no MAC but an integrity key is set")
     h = key.mac()
@@ -279,7 +297,6 @@ def open_section(
     h.update(view[: _FIELDS.size])
     if not hmac.compare_digest(h.digest(), bytes(mac)):
         raise CorruptObjectError("mac", "MAC does not verify under this integrity key (forged or other key)")
-    return payload
 
 
 def frame_kind(buf: Buffer) -> str:
@@ -301,5 +318,6 @@ __all__ = [
     "frame_section",
     "open_section",
     "read_plan",
+    "verify_section",
     "write_plan",
 ]

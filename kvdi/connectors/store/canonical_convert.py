@@ -46,50 +46,77 @@ def kvhtd(layer: torch.Tensor, order: str, heads: int, block_size: int, head_dim
     raise ValueError(f"order={order!r} is not a stored block order; allowed: {', '.join(repr(o) for o in ORDERS)}")
 
 
-def _payload(geometry: Geometry, section: Section, payload: torch.Tensor) -> torch.Tensor:
-    g = geometry
-    return payload.view(section.layer_count, 2, section.head_count, g.block_size, g.head_dim)
+def _groups(sections: Sequence[Section]) -> list[tuple[int, list[Section]]]:
+    """``sections`` (layer-major, heads ascending, as the plans list them) by layer group, with each
+    group's offset in a buffer holding all of them back to back."""
+    groups: list[tuple[int, list[Section]]] = []
+    for s in sections:
+        if groups and groups[-1][1][0].layer_start == s.layer_start:
+            groups[-1][1].append(s)
+        else:
+            groups.append((0, [s]))
+    return groups
 
 
-def pack_section(
-    geometry: Geometry, part: RankPart, layers: Sequence[Buffer | torch.Tensor], order: str, section: Section
-) -> bytearray:
-    """The payload of ``section`` (wholly inside ``part``) from the rank's per-layer block buffers ``layers``."""
-    g = geometry
-    out = bytearray(g.section_bytes(section))
-    dst = _payload(g, section, as_tensor(out, g.dtype))
-    h0 = section.head_start - part.head_start
-    for i in range(section.layer_count):
-        src = as_tensor(layers[section.layer_start - part.layer_start + i], g.dtype)
-        view = kvhtd(src, order, part.head_count, g.block_size, g.head_dim)
-        dst[i].copy_(view[:, h0 : h0 + section.head_count])
+def _regions(
+    geometry: Geometry, sections: Sequence[Section], buffer: torch.Tensor
+) -> list[tuple[list[Section], torch.Tensor]]:
+    """Each layer group of ``sections`` with its region of ``buffer`` viewed ``[sections, layers, 2, heads, N, D]``."""
+    g, out, offset = geometry, [], 0
+    for _, group in _groups(sections):
+        first = group[0]
+        n = len(group) * g.section_bytes(first) // g.elem_bytes
+        shape = (len(group), first.layer_count, 2, first.head_count, g.block_size, g.head_dim)
+        out.append((group, buffer[offset : offset + n].view(shape)))
+        offset += n
     return out
 
 
-def unpack_section(
+def pack_block(
+    geometry: Geometry, part: RankPart, layers: Sequence[Buffer | torch.Tensor], order: str, sections: Sequence[Section]
+) -> bytearray:
+    """The payloads of ``sections`` (all inside ``part``; e.g. its write plan) back to back: one strided copy
+    per layer, whatever the number of sections."""
+    g = geometry
+    out = bytearray(sum(g.section_bytes(s) for s in sections))
+    flat = as_tensor(out, g.dtype)
+    for group, region in _regions(g, sections, flat):
+        first, ng, hs = group[0], len(group), group[0].head_count
+        h0 = first.head_start - part.head_start
+        for i in range(first.layer_count):
+            src = kvhtd(as_tensor(layers[first.layer_start - part.layer_start + i], g.dtype), order, part.head_count,
+                        g.block_size, g.head_dim)  # fmt: skip
+            heads = src[:, h0 : h0 + ng * hs].unflatten(1, (ng, hs)).permute(1, 0, 2, 3, 4)  # type: ignore[no-untyped-call]
+            region[:, i].copy_(heads)
+    return out
+
+
+def unpack_block(
     geometry: Geometry,
     part: RankPart,
     layers: Sequence[Buffer | torch.Tensor],
     order: str,
-    section: Section,
-    payload: Buffer,
+    sections: Sequence[Section],
+    payloads: Buffer,
 ) -> None:
-    """Copy the part of ``section``'s (verified) payload that ``part`` holds into its writable layer buffers."""
+    """Copy what ``part`` holds of ``sections`` (its read plan), whose verified payloads lie back to back in
+    ``payloads``, into its writable layer buffers: one strided copy per layer."""
     g = geometry
-    src = _payload(g, section, as_tensor(payload, g.dtype))
-    l0, l1 = (
-        max(section.layer_start, part.layer_start),
-        min(section.layer_start + section.layer_count, part.layer_start + part.layer_count),
-    )
-    h0, h1 = (
-        max(section.head_start, part.head_start),
-        min(section.head_start + section.head_count, part.head_start + part.head_count),
-    )
-    for layer in range(l0, l1):
-        layer_dst = as_tensor(layers[layer - part.layer_start], g.dtype, True)
-        dst = kvhtd(layer_dst, order, part.head_count, g.block_size, g.head_dim)
-        piece = src[layer - section.layer_start][:, h0 - section.head_start : h1 - section.head_start]
-        dst[:, h0 - part.head_start : h1 - part.head_start].copy_(piece)
+    flat = as_tensor(payloads, g.dtype)
+    for group, region in _regions(g, sections, flat):
+        first, last = group[0], group[-1]
+        c0, c1 = first.head_start, last.head_start + last.head_count  # heads the group covers
+        h0, h1 = max(c0, part.head_start), min(c1, part.head_start + part.head_count)
+        l0 = max(first.layer_start, part.layer_start)
+        l1 = min(first.layer_start + first.layer_count, part.layer_start + part.layer_count)
+        for layer in range(l0, l1):
+            src = region[:, layer - first.layer_start].permute(1, 0, 2, 3, 4)  # [2, sections, heads, N, D]
+            dst = kvhtd(as_tensor(layers[layer - part.layer_start], g.dtype, True), order, part.head_count,
+                        g.block_size, g.head_dim)[:, h0 - part.head_start : h1 - part.head_start]  # fmt: skip
+            if (h0, h1) == (c0, c1):  # the sections' heads are all the rank's: no staging
+                dst.unflatten(1, (len(group), first.head_count)).copy_(src)  # type: ignore[no-untyped-call]
+            else:  # a section wider than the rank's heads (a coarser grid): its heads, through a copy
+                dst.copy_(src.flatten(1, 2)[:, h0 - c0 : h1 - c0])
 
 
-__all__ = ["ORDERS", "as_tensor", "kvhtd", "pack_section", "unpack_section"]
+__all__ = ["ORDERS", "as_tensor", "kvhtd", "pack_block", "unpack_block"]

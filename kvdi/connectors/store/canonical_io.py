@@ -21,11 +21,12 @@ from kvdi.connectors.store.canonical import (
     RankPart,
     Section,
     frame_section,
-    open_section,
     read_plan,
+    verify_section,
     write_plan,
 )
-from kvdi.connectors.store.canonical_convert import ORDERS, pack_section, unpack_section
+from kvdi.connectors.store.canonical_convert import ORDERS, pack_block, unpack_block
+from kvdi.connectors.store.framing import MAGIC as PER_RANK_MAGIC
 from kvdi.connectors.store.framing import Buffer, CorruptObjectError, FrameKey
 
 if TYPE_CHECKING:
@@ -67,12 +68,18 @@ class CanonicalRank:
 
     def save(self, blocks: Sequence[tuple[bytes, Layers]]) -> int:
         """Write this rank's sections of each ``(block key, per-layer buffers)``; return objects written."""
+        if not self.writes:
+            return 0
+        g = self.geometry
         items: list[tuple[bytes, Sequence[Buffer]]] = []
+        sizes = [g.section_bytes(s) for s in self.writes]
         for block_key, layers in blocks:
-            for section in self.writes:
-                name = section.key(block_key)
-                payload = pack_section(self.geometry, self.part, layers, self.order, section)
-                items.append((name, [frame_section(self.geometry, section, payload, self.key, name=name), payload]))
+            view = memoryview(pack_block(g, self.part, layers, self.order, self.writes))
+            offset = 0
+            for section, size in zip(self.writes, sizes, strict=True):
+                name, payload = section.key(block_key), view[offset : offset + size]
+                offset += size
+                items.append((name, [frame_section(g, section, payload, self.key, name=name), payload]))
         if not items:
             return 0
         written = self.store.put_many(items)
@@ -96,44 +103,83 @@ class CanonicalRank:
             if payloads is None:
                 self.misses["blocks"] += len(blocks) - n
                 return n
-            for section, payload in zip(self.reads, payloads, strict=True):
-                unpack_section(self.geometry, self.part, layers, self.order, section, payload)
+            unpack_block(self.geometry, self.part, layers, self.order, self.reads, payloads)
             self.loaded_blocks += 1
         return len(blocks)
 
-    def fetch_many(self, block_keys: Sequence[bytes]) -> list[list[memoryview] | None]:
-        """Every needed section of each block, verified (one store call for all); None for a block where any
-        section is absent or bad (its reason counted, a bad object discarded)."""
-        per = len(self.reads)
+    def fetch_many(self, block_keys: Sequence[bytes]) -> list[memoryview | None]:
+        """The payloads of every needed section of each block, back to back and verified (read straight into
+        place where the store can, one store call for all); None for a block where any section is absent or
+        bad (its reason counted, a bad object discarded)."""
+        g, per = self.geometry, len(self.reads)
+        sizes = [g.section_bytes(s) for s in self.reads]
         names = [s.key(k) for k in block_keys for s in self.reads]
+        blocks = [memoryview(bytearray(sum(sizes))) for _ in block_keys]
+        headers = [memoryview(bytearray(HEADER_SIZE)) for _ in names]
+        payloads: list[memoryview] = []
+        for buf in blocks:
+            offset = 0
+            for size in sizes:
+                payloads.append(buf[offset : offset + size])
+                offset += size
         try:
-            found = self.store.get_many(names) if names else []
-            if len(found) != len(names):
-                raise ValueError(f"get_many returned {len(found)} objects for {len(names)} keys")
+            got = self._read(names, headers, payloads)
         except Exception:  # a store call that fails is a miss, never an exception
             self.misses["error"] += 1
             return [None] * len(block_keys)
-        return [
-            self._check(names[i * per : (i + 1) * per], found[i * per : (i + 1) * per]) for i in range(len(block_keys))
-        ]
+        out: list[memoryview | None] = []
+        for b, buf in enumerate(blocks):
+            ok = all(self._check(i, names[i], got[i], headers[i], payloads[i]) for i in range(b * per, (b + 1) * per))
+            out.append(buf if ok else None)
+        return out
 
-    def _check(self, names: Sequence[bytes], found: Sequence[Buffer | None]) -> list[memoryview] | None:
-        payloads: list[memoryview] = []
-        for section, name, buf in zip(self.reads, names, found, strict=True):
-            if buf is None or memoryview(buf).nbytes == 0:
-                self.misses["absent"] += 1
-                return None
-            self.read_bytes += memoryview(buf).nbytes
+    def _read(self, names: list[bytes], headers: list[memoryview], payloads: list[memoryview]) -> list[int | None]:
+        """Each object's size (None: absent), read into its header and payload buffers when the size fits."""
+        into = getattr(self.store, "get_into_many", None)
+        if callable(into):
+            pieces = [[h, p] for h, p in zip(headers, payloads, strict=True)]
+            sizes: list[int | None] = into(list(zip(names, pieces, strict=True)))
+        else:
+            found = self.store.get_many(names)
+            sizes = []
+            for buf, h, p in zip(found, headers, payloads, strict=True):
+                n = None if buf is None else memoryview(buf).nbytes
+                if buf is not None and n == h.nbytes + p.nbytes:
+                    view = memoryview(buf).cast("B")
+                    h[:] = view[: h.nbytes]
+                    p[:] = view[h.nbytes :]
+                sizes.append(n)
+        if len(sizes) != len(names):
+            raise ValueError(f"the store answered {len(sizes)} of {len(names)} reads")
+        return sizes
+
+    def _odd(self, name: bytes) -> str:
+        """Why an object of the wrong size is no section: ``old_format`` for a per-rank frame, else ``length``
+        (read once more to tell; a store bounding reads to one section's size may not show it)."""
+        try:
+            (buf,) = self.store.get_many([name])
+        except Exception:
+            return "length"
+        return "old_format" if buf is not None and bytes(memoryview(buf).cast("B")[:4]) == PER_RANK_MAGIC else "length"
+
+    def _check(self, i: int, name: bytes, size: int | None, header: memoryview, payload: memoryview) -> bool:
+        section = self.reads[i % len(self.reads)]
+        if size is None or size == 0:
+            self.misses["absent"] += 1
+            return False
+        self.read_bytes += size
+        try:
+            if size != header.nbytes + payload.nbytes:
+                raise CorruptObjectError(self._odd(name), f"object of {size} B, a section is {header.nbytes} B more")
+            verify_section(header, payload, self.geometry, section, self.key, name=name)
+        except CorruptObjectError as exc:
+            self.misses[exc.reason] += 1
             try:
-                payloads.append(open_section(buf, self.geometry, section, self.key, name=name))
-            except CorruptObjectError as exc:
-                self.misses[exc.reason] += 1
-                try:
-                    self.store.discard(name)  # never offered again
-                except Exception:
-                    self.misses["error"] += 1
-                return None
-        return payloads
+                self.store.discard(name)  # never offered again
+            except Exception:
+                self.misses["error"] += 1
+            return False
+        return True
 
 
 __all__ = ["CanonicalRank"]

@@ -21,8 +21,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvdi.connectors.store.canonical import HEADER_SIZE, Geometry, RankPart, write_plan
-from kvdi.connectors.store.canonical_convert import unpack_section
+from kvdi.connectors.store.canonical_convert import unpack_block
 from kvdi.connectors.store.canonical_io import CanonicalRank
+from kvdi.connectors.store.framing import HEADER_SIZE as FRAME_HEADER
 from kvdi.connectors.store.framing import Buffer, FrameKey, frame_header
 from kvdi.errors import ConfigError
 
@@ -41,7 +42,7 @@ def part_tag(layer_start: int, layer_count: int, num_layers: int, tp_rank: int, 
     return f"{TAG}:L{layer_start}+{layer_count}/{num_layers}:T{tp_rank}/{tp_size}:H{num_kv_heads}"
 
 
-def geometry_of(layout: KVCacheSpec, section_layers: int = 0) -> tuple[Geometry, RankPart]:
+def geometry_of(layout: KVCacheSpec, section_layers: int = 0, section_heads: int = 1) -> tuple[Geometry, RankPart]:
     """The model's :class:`Geometry` and this process's :class:`RankPart`, read from ``layout`` (see above).
 
     Raises ConfigError for a hybrid model's group layout (its groups are not sectioned yet)."""
@@ -56,11 +57,13 @@ def geometry_of(layout: KVCacheSpec, section_layers: int = 0) -> tuple[Geometry,
     if found is None or found.group(1) is None:
         g = Geometry(
             model_id, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype,
-            section_layers=section_layers,
+            section_layers=section_layers, section_heads=section_heads,
         )  # fmt: skip
         return g, RankPart.of(g)
     start, count, layers, rank, size, heads = (int(v) for v in found.groups())
-    g = Geometry(model_id, layers, heads, layout.head_dim, layout.block_size, layout.dtype, section_layers)
+    g = Geometry(
+        model_id, layers, heads, layout.head_dim, layout.block_size, layout.dtype, section_layers, section_heads
+    )
     part = RankPart.of(g, size, rank, (start, count))
     if (part.layer_count, part.head_count) != (layout.num_layers, layout.num_kv_heads):
         raise ValueError(
@@ -70,15 +73,17 @@ def geometry_of(layout: KVCacheSpec, section_layers: int = 0) -> tuple[Geometry,
     return g, part
 
 
-def canonical_object_bytes(layout: KVCacheSpec, section_layers: int = 0, option: str = "KVDI_SHARED_STORAGE") -> int:
+def canonical_object_bytes(
+    layout: KVCacheSpec, grid: tuple[int, int] = (0, 1), option: str = "KVDI_SHARED_STORAGE"
+) -> int:
     """The size of every canonical section object of ``layout``'s model (the grid divides it evenly).
 
     Raises ConfigError, in one line, for a grid that does not divide the model or this rank's share."""
     try:
-        geometry, part = geometry_of(layout, section_layers)
+        geometry, part = geometry_of(layout, *grid)
         write_plan(geometry, part)
     except ValueError as exc:
-        raise ConfigError(f"{option}__SECTION_LAYERS={section_layers}: {exc}") from None
+        raise ConfigError(f"{option}__SECTION_LAYERS={grid[0]} / __SECTION_HEADS={grid[1]}: {exc}") from None
     return HEADER_SIZE + geometry.section_bytes(geometry.sections()[0])
 
 
@@ -86,9 +91,9 @@ class CanonicalBlockStore:
     """Per-rank frames in, canonical sections out (and back); see the module docstring."""
 
     def __init__(
-        self, inner: BlockStore, layout: KVCacheSpec, key: FrameKey | None = None, section_layers: int = 0
+        self, inner: BlockStore, layout: KVCacheSpec, key: FrameKey | None = None, grid: tuple[int, int] = (0, 1)
     ) -> None:
-        geometry, part = geometry_of(layout, section_layers)
+        geometry, part = geometry_of(layout, *grid)
         self.inner = inner
         self.rank = CanonicalRank(inner, geometry, part, layout.block_order, key)
         self.hit_source = getattr(inner, "hit_source", "external_unspecified")
@@ -138,19 +143,50 @@ class CanonicalBlockStore:
     def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """Each block as a per-rank frame assembled from its verified sections; None where any is missing or bad."""
         out: list[Buffer | None] = []
-        for key, payloads in zip(keys, self.rank.fetch_many(keys), strict=True):
+        lb, rank = self._layer_bytes, self.rank
+        for key, payloads in zip(keys, rank.fetch_many(keys), strict=True):
             if payloads is None:
                 out.append(None)
                 continue
-            block = bytearray(self._block_bytes)
-            view = memoryview(block)
-            lb = self._layer_bytes
-            layers = [view[i * lb : (i + 1) * lb] for i in range(self._layers)]
-            for section, payload in zip(self.rank.reads, payloads, strict=True):
-                unpack_section(self.rank.geometry, self.rank.part, layers, self.rank.order, section, payload)
-            self.rank.loaded_blocks += 1
-            out.append(frame_header(self._fingerprint, block, self._key, name=key) + block)
+            frame = bytearray(FRAME_HEADER + self._block_bytes)
+            block = memoryview(frame)[FRAME_HEADER:]
+            layers = [block[i * lb : (i + 1) * lb] for i in range(self._layers)]
+            unpack_block(rank.geometry, rank.part, layers, rank.order, rank.reads, payloads)
+            frame[:FRAME_HEADER] = frame_header(self._fingerprint, block, self._key, name=key)
+            rank.loaded_blocks += 1
+            out.append(frame)
         return out
+
+    def get_into_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[int | None]:
+        """:class:`~kvdi.connectors.store.ReadIntoStore`: each block's per-rank frame built straight into its
+        pieces (a header, then the block, e.g. the cache's layer views): verified sections unpacked in place,
+        then the header written; None where any section is missing or bad (pieces untouched then)."""
+        frame = FRAME_HEADER + self._block_bytes
+        out: list[int | None] = []
+        rank = self.rank
+        fetched = rank.fetch_many([key for key, _ in items])
+        for (key, pieces), payloads in zip(items, fetched, strict=True):
+            if payloads is None:
+                out.append(None)
+                continue
+            if sum(p.nbytes for p in pieces) != frame or pieces[0].nbytes != FRAME_HEADER:
+                out.append(frame)  # not this frame's shape: the caller reads nothing into them
+                continue
+            payload = pieces[1:]
+            layers = self._as_layers(payload)
+            unpack_block(rank.geometry, rank.part, layers, rank.order, rank.reads, payloads)
+            if layers is not payload:
+                _scatter(b"".join(layers), payload)
+            pieces[0][:] = frame_header(self._fingerprint, payload, self._key, name=key)
+            rank.loaded_blocks += 1
+            out.append(frame)
+        return out
+
+    def _as_layers(self, payload: Sequence[memoryview]) -> Sequence[memoryview]:
+        """``payload`` itself when it is one view per layer, else fresh per-layer buffers to scatter after."""
+        if len(payload) == self._layers and all(p.nbytes == self._layer_bytes for p in payload):
+            return payload
+        return [memoryview(bytearray(self._layer_bytes)) for _ in range(self._layers)]
 
     def discard(self, key: bytes) -> None:
         """Drop every section of block ``key`` (the grid's, not only this rank's: a bad block goes for all)."""
@@ -170,6 +206,13 @@ class CanonicalBlockStore:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _scatter(data: bytes, pieces: Sequence[memoryview]) -> None:
+    offset = 0
+    for piece in pieces:
+        piece[:] = data[offset : offset + piece.nbytes]
+        offset += piece.nbytes
 
 
 __all__ = ["TAG", "CanonicalBlockStore", "canonical_object_bytes", "geometry_of", "part_tag"]
