@@ -201,3 +201,36 @@ def test_redis_canonical_tp1_saves_tp2_ranks_load(redis_server: Any) -> None:
     writer.shutdown()
     with pytest.raises(ConfigError, match="KVDI_REDIS__COMPRESSION='zstd' with KVDI_REDIS__FORMAT=canonical"):
         redis_worker(WHOLE, compression="zstd")
+
+
+def test_pp2_workers_save_and_a_tp2_worker_loads(tmp_path: Path) -> None:
+    from kvdi.integrations.vllm.parallel import CanonicalShare, RankSlice
+
+    def pp_layout(stage: int) -> KVCacheSpec:
+        shape = RankSlice(pp_size=2, pp_rank=stage, canonical=CanonicalShare(4, HEADS, 2 * stage, 2))
+        return KVCacheSpec("m" + shape.layout_tag() + shape.rank_tag(), 2, HEADS, 8, BS, "float32")
+
+    def tp_layout(rank: int) -> KVCacheSpec:
+        shape = RankSlice(tp_size=2, tp_rank=rank, canonical=CanonicalShare(4, HEADS, 0, 4))
+        return KVCacheSpec("m" + shape.layout_tag() + shape.rank_tag(), 4, 1, 8, BS, "float32")
+
+    def half(layout: KVCacheSpec, seed: int | None = None) -> tuple[StoreWorkerConnector, dict]:
+        s = settings(tmp_path, section_layers=2)
+        store = open_store(s.shared_storage, layout, s)
+        w = StoreWorkerConnector(ConnectorContext("shared_storage", KVConnectorRole.WORKER, s, layout, None, store))
+        caches = make_caches(layout, 16, seed)
+        w.register_kv_caches(caches)
+        return w, caches
+
+    stages = [half(pp_layout(p), seed=20 + p) for p in range(2)]
+    for w, _ in stages:
+        assert step(w, (0, 1, 2, 3), save=True) == set()
+    for rank in range(2):
+        reader, dst = half(tp_layout(rank))
+        assert step(reader, (5, 6, 7, 8), save=False) == set() and reader.stats.loaded_blocks == 4
+        for layer in range(4):
+            src = stages[layer // 2][1][f"layers.{layer % 2}"]
+            assert torch.equal(dst[f"layers.{layer}"][5:9], src[0:4][:, :, :, rank : rank + 1])
+    with pytest.raises(ConfigError, match="not whole sections"):
+        s = settings(tmp_path)  # section_layers 0: one section of all 4 layers, which no PP stage holds
+        open_store(s.shared_storage, pp_layout(0), s)
