@@ -47,7 +47,7 @@ class ReadChunk:
     visited: list[BaseException | None] | None = None
 
 
-PLACE_BYTES = 256 << 10  # bytes hashed then copied at a time: they are still in the CPU's L2 when copied
+PLACE_BYTES = 256 << 10  # bytes copied then hashed at a time: what was copied is still in the CPU cache
 
 
 def place_frame(
@@ -77,9 +77,9 @@ def place_frame(
         dst = piece if piece.format == "B" else piece.cast("B")
         for start in range(0, dst.nbytes, PLACE_BYTES):
             end = min(start + PLACE_BYTES, dst.nbytes)
-            src = view[offset + start : offset + end]
-            hasher.update(src)
-            dst[start:end] = src
+            span = dst[start:end]
+            span[:] = view[offset + start : offset + end]
+            hasher.update(span)  # what landed, while it is in the CPU cache (a copy's stores leave it there)
         offset += dst.nbytes
     if offset != view.nbytes:
         raise CorruptObjectError("length", f"pieces of {offset - HEADER_SIZE} B for a {block_bytes} B payload")
