@@ -137,14 +137,32 @@ class CacheIO:
         index = buffers(SLOTS * chunk * 8, owner=f"{name}/index").view(torch.int64).view(SLOTS, chunk)
         self._index = list(index.unbind(0))  # pinned with the staging: uploaded asynchronously, once per chunk
         self._index_np = [i.numpy() for i in self._index]
-        self._scratch = buffers(chunk * self._row_bytes, device=first.device, owner=f"{name}/scratch")
-        self._scratch = self._scratch.view(chunk, self._row_bytes)
-        self._index_dev = buffers(chunk * 8, device=first.device, owner=f"{name}/index-dev").view(torch.int64)
+        # The device scratch and ids are taken at the first copy, not here (:meth:`_device`): registration
+        # comes after vLLM sized its cache, and a cache only ever read from the host side needs none.
+        self._buffers, self._name, self._device_at = buffers, name, first.device
+        self._scratch: torch.Tensor | None = None
         # The gathers and scatters move 8-byte words where the layout allows (a byte-wise index kernel is slower).
-        word = torch.int64 if layer_bytes % 8 == 0 else torch.uint8
-        self._words = [u.view(word) for u in self._u8]
-        self._scratch_words = self._scratch.view(word)
+        self._word = torch.int64 if layer_bytes % 8 == 0 else torch.uint8
+        self._words = [u.view(self._word) for u in self._u8]
         self._layer_words = self._words[0].shape[1]
+
+    def _device(self) -> torch.Tensor:
+        """The device scratch (one chunk of rows, at most ``device_chunk`` blocks), with its ids taken at first use."""
+        if self._scratch is not None:
+            return self._scratch
+        import torch
+
+        chunk, where = self.chunk, self._device_at
+        scratch = self._buffers(chunk * self._row_bytes, device=where, owner=f"{self._name}/scratch")
+        self._index_dev = self._buffers(chunk * 8, device=where, owner=f"{self._name}/index-dev").view(torch.int64)
+        self._scratch = scratch.view(chunk, self._row_bytes)
+        self._scratch_words = self._scratch.view(self._word)
+        return self._scratch
+
+    @property
+    def device_scratch_bytes(self) -> int:
+        """Device bytes this CacheIO holds outside the cache: 0 until its first staged copy."""
+        return 0 if self._scratch is None else self.chunk * (self._row_bytes + 8)
 
     # -- the ring -------------------------------------------------------------------------------
 
@@ -211,10 +229,11 @@ class CacheIO:
             self._copy_in()
 
     def _copy_in(self) -> None:
+        rows = self._device()
         ids, self._committed = self._committed, []
         n, lw = len(ids), self._layer_words
         index = self._upload(ids)
-        self._copy(self._scratch[:n], self._rows[self._slot][:n])
+        self._copy(rows[:n], self._rows[self._slot][:n])
         scratch = self._scratch_words[:n]
         for l, u in enumerate(self._words):  # noqa: E741
             self._scatter(u, index, scratch[:, l * lw : (l + 1) * lw])
@@ -234,12 +253,13 @@ class CacheIO:
         if len(ids) > self.chunk:
             raise ValueError(f"{len(ids)} blocks do not fit a staging chunk of {self.chunk}")
         self.begin()
+        rows = self._device()
         n, lw = len(ids), self._layer_words
         index = self._upload(ids)
         scratch = self._scratch_words[:n]
         for l, u in enumerate(self._words):  # noqa: E741
             self._gather(scratch[:, l * lw : (l + 1) * lw], u, index)
-        self._copy(self._rows[self._slot][:n], self._scratch[:n])
+        self._copy(self._rows[self._slot][:n], rows[:n])
         self._mark(self._slot)
         return SaveTicket(self._slot, ids)
 

@@ -71,7 +71,9 @@ class StoreWorkerConnector(WorkerConnector):
         self._frame_bytes = HEADER_SIZE + layout.block_bytes
         self._chunk = max(1, CHUNK_BYTES // layout.block_bytes)
         self._save_batch = save_batch_blocks(self.store)  # a remote store's batch, 0 for others (:mod:`.writes`)
-        self._device_chunk = max(1, DEVICE_CHUNK_BYTES // layout.block_bytes)
+        self._device_chunk = max(
+            1, min(DEVICE_CHUNK_BYTES, context.settings.allocator.max_staging_bytes) // layout.block_bytes
+        )
         self._readahead = max(self._chunk, READAHEAD_BYTES // layout.block_bytes)  # blocks
         self._ios: CacheIOs | None = None  # this registration's cache access and its jobs' staging
         self._executor: ThreadPoolExecutor | None = None
