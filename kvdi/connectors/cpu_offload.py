@@ -1,8 +1,10 @@
 """The ``cpu_offload`` backend: a host memory pool of fixed-size slots with LRU eviction.
 
-The pool is one buffer of ``max_bytes // frame_bytes`` slots (pageable: no device copy reads it,
-a CUDA cache's blocks pass through the worker's pinned staging), allocated on first write. Each slot holds one
-framed object, verified on load like an object of any other store. The container builds one
+The pool is one buffer of ``max_bytes // frame_bytes`` slots, allocated on first write. Each slot holds one
+framed object (its header, then the block's payload as one run), verified on load like an object of any
+other store. Next to a CUDA cache (``allocator.pin_memory`` on) the buffer is page-locked, exactly its
+size (:class:`~kvdi.connectors.pinned.HostRegion`, not torch's power-of-two caching allocator) and
+released on close; on a CPU it is plain pageable memory. The container builds one
 pool per engine and hands it to both halves; a lock makes it safe to share across threads.
 
 Eviction drops the least recently used object. Within one batch (a chain of one request,
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvdi.connectors.logging_once import log_once
+from kvdi.connectors.pinned import HostRegion, HostRegistrar, cuda_registrar
 from kvdi.connectors.store.blockio import gather, scatter
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer
 from kvdi.connectors.store.integrity import frame_key
@@ -39,14 +42,18 @@ class HostPoolStore:
 
     hit_source = "host"  # the tier vLLM's external_prefix_cache_hits names (vllm CacheHitSource)
 
-    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool = False) -> None:
+    def __init__(
+        self, num_slots: int, slot_bytes: int, pin_memory: bool = False, registrar: HostRegistrar | None = None
+    ) -> None:
+        """``pin_memory``: page-lock the pool with ``registrar`` (None: CUDA's, :func:`cuda_registrar`)."""
         if num_slots < 1:
             raise ValueError("a host pool needs at least one slot")
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self._pin = pin_memory
+        self._registrar = registrar
         self._pool: np.ndarray | None = None
-        self._keep: object = None  # the torch tensor owning pinned memory, if any
+        self._region: HostRegion | None = None  # the pinned pool's memory, if any
         self._lru: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, size)
         self._free: list[int] = []  # slots given back by discard
         self._unused = 0  # slots from here on were never used (no list of num_slots entries)
@@ -60,14 +67,27 @@ class HostPoolStore:
 
     def _slots(self) -> np.ndarray:
         if self._pool is None:
-            if self._pin:
-                import torch
-
-                tensor = torch.empty((self.num_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=True)
-                self._keep, self._pool = tensor, tensor.numpy()
-            else:
+            self._pool = self._pinned() if self._pin else None
+            if self._pool is None:
                 self._pool = np.empty((self.num_slots, self.slot_bytes), dtype=np.uint8)
         return self._pool
+
+    def _pinned(self) -> np.ndarray | None:
+        """The pool page-locked, exactly its bytes; None (pageable, logged) when the driver refuses."""
+        nbytes = self.num_slots * self.slot_bytes
+        try:
+            registrar = self._registrar if self._registrar is not None else cuda_registrar()
+            self._region = HostRegion(nbytes, registrar)
+        except (RuntimeError, OSError, MemoryError) as exc:
+            logger.warning("cpu_offload: page-locking the %d B pool failed, using pageable memory: %s", nbytes, exc)
+            return None
+        array = self._region.array
+        return None if array is None else array.reshape(self.num_slots, self.slot_bytes)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the pool page-locked for the device now (0: pageable, or not allocated yet)."""
+        return self._region.nbytes if self._region is not None and self._region.pinned else 0
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -188,7 +208,9 @@ class HostPoolStore:
     def check(self) -> str:
         """``kvdi check``'s one-line summary (``CheckedStore``); the pool itself is allocated on the first write."""
         gib = self.num_slots * self.slot_bytes / 2**30
-        return f"cpu_offload: {self.num_slots} slots of {self.slot_bytes} B ({gib:.2f} GiB), allocated on first write"
+        kind = "page-locked for CUDA, exactly its size" if self._pin else "pageable"
+        shape = f"{self.num_slots} slots of {self.slot_bytes} B ({gib:.2f} GiB, {kind})"
+        return f"cpu_offload: {shape}, allocated on first write"
 
     def close(self) -> None:
         """Drop the pool."""
@@ -196,7 +218,9 @@ class HostPoolStore:
             self._lru.clear()
             self._free, self._unused = [], 0
             self._pool = None
-            self._keep = None
+            region, self._region = self._region, None
+            if region is not None:
+                region.close()  # unregistered and unmapped now, not at exit
 
 
 def open_store(options: CpuOffloadSettings, layout: KVCacheSpec, settings: KvdiSettings) -> HostPoolStore:
@@ -209,8 +233,16 @@ def open_store(options: CpuOffloadSettings, layout: KVCacheSpec, settings: KvdiS
             f"layout is {frame_bytes} B; raise it to at least {frame_bytes}"
         )
     frame_key(settings)  # a bad integrity key is a ConfigError when the backend is built (and in `kvdi check`)
-    # never pinned: no GPU copy reads the pool (a CUDA cache's blocks go through the worker's pinned staging)
-    return HostPoolStore(num_slots, frame_bytes, pin_memory=False)
+    return HostPoolStore(num_slots, frame_bytes, pin_memory=pins_for_device(settings))
 
 
-__all__ = ["HostPoolStore", "open_store"]
+def pins_for_device(settings: KvdiSettings) -> bool:
+    """Whether the pool is page-locked: next to a CUDA cache with ``allocator.pin_memory`` on (never on a CPU)."""
+    if not settings.allocator.pin_memory or settings.allocator.device == "cpu":
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+__all__ = ["HostPoolStore", "open_store", "pins_for_device"]
