@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.streams import StreamOrder, order_for
 
 if TYPE_CHECKING:
@@ -124,6 +125,8 @@ class CacheIO:
         self._events: list[Any] = [None] * SLOTS  # per slot: the event after its queued copies (None: none queued)
         self._last: Any = None  # the event after the last copies queued
         self._committed: list[int] = []  # block ids loaded into rows 0, 1, ... of this slot, not yet copied in
+        self._straight: set[int] = set()  # rows of this chunk copied straight into the device scratch
+        self._lent: Any = None  # the event after the last straight copy out of a store's lent frame
         if self.direct:
             return
         if buffers is None:
@@ -228,12 +231,47 @@ class CacheIO:
         if self._committed:
             self._copy_in()
 
+    def load_straight(self, i: int, frame: memoryview) -> bool:
+        """Queue the copy of block ``i`` of this chunk straight from a frame a store lends (``visit_many``) into
+        the device scratch, when the frame lies in page-locked memory (cpu_offload's pool next to a CUDA cache):
+        one run, no host copy. False (nothing queued): place it through staging. The caller verifies the frame
+        meanwhile, then calls :meth:`release_lent` before the store may reuse the frame's memory."""
+        if self.direct or self.order is None:
+            return False
+        src = self._pinned_payload(frame)
+        if src is None:
+            return False
+        self._copy(self._device()[i], src)
+        self._straight.add(i)
+        self._lent = self.order.mark()
+        return True
+
+    def _pinned_payload(self, frame: memoryview) -> torch.Tensor | None:
+        """The payload of ``frame`` as a tensor when it is one staged row in page-locked memory, else None."""
+        import torch
+
+        if frame.nbytes != HEADER_SIZE + self._row_bytes or frame.readonly:
+            return None
+        payload = torch.frombuffer(frame, dtype=torch.uint8)[HEADER_SIZE:]
+        return payload if payload.is_pinned() else None
+
+    def release_lent(self) -> None:
+        """Wait (on its event) until the straight copy out of the last lent frame is done."""
+        event, self._lent = self._lent, None
+        if event is not None:
+            event.synchronize()
+
     def _copy_in(self) -> None:
         rows = self._device()
         ids, self._committed = self._committed, []
+        straight, self._straight = self._straight, set()
         n, lw = len(ids), self._layer_words
         index = self._upload(ids)
-        self._copy(rows[:n], self._rows[self._slot][:n])
+        if not straight:
+            self._copy(rows[:n], self._rows[self._slot][:n])
+        for r in range(n):  # a chunk mixing both (never from one store): the staged rows one by one
+            if straight and r not in straight:
+                self._copy(rows[r], self._rows[self._slot][r])
         scratch = self._scratch_words[:n]
         for l, u in enumerate(self._words):  # noqa: E741
             self._scatter(u, index, scratch[:, l * lw : (l + 1) * lw])
