@@ -23,7 +23,7 @@ import numpy as np
 
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.pinned import HostRegion, HostRegistrar, cuda_registrar
-from kvdi.connectors.store.blockio import gather, scatter
+from kvdi.connectors.store.bytecopy import gather, scatter
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer
 from kvdi.connectors.store.integrity import frame_key
 from kvdi.errors import ConfigError

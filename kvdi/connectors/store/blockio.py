@@ -7,7 +7,8 @@ cache, blocks bounce through a host staging buffer taken from the engine's alloc
 (:meth:`kvdi.allocator.GpuBufferAllocator.staging`: pinned when the cache is on CUDA and
 ``KVDI_ALLOCATOR__PIN_MEMORY`` is on); its copies are ordered against the engine's CUDA stream
 by :mod:`kvdi.connectors.streams` (events, a fenced side stream for background jobs, no
-device-wide synchronize).
+device-wide synchronize). Next to a page-locked pool (cpu_offload on CUDA) loads skip the staging: each
+block goes straight from the slot the pool lends to the device (:meth:`CacheIO.load_straight`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
-
+from kvdi.connectors.store.bytecopy import gather as gather  # re-exported: cpu_offload, multi, redis use them
+from kvdi.connectors.store.bytecopy import scatter as scatter
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.streams import StreamOrder, order_for
 
@@ -27,31 +28,6 @@ if TYPE_CHECKING:
     import torch
 
     from kvdi.allocator import Staging
-    from kvdi.connectors.store.framing import Buffer
-
-
-def scatter(src: Buffer | np.ndarray, pieces: Sequence[Buffer]) -> None:
-    """Copy the contiguous bytes ``src`` into the writable ``pieces`` in order (``src`` holds at least their sum).
-
-    Byte-wise memoryview assignment: one ``memcpy`` per piece with far less per-call overhead
-    than a numpy copy (it matters: a block is tens of pieces, one per layer).
-    """
-    flat = (src.reshape(-1).view(np.uint8).data if isinstance(src, np.ndarray) else memoryview(src)).cast("B")
-    offset = 0
-    for piece in pieces:
-        dst = piece if isinstance(piece, memoryview) and piece.format == "B" else memoryview(piece).cast("B")
-        end = offset + dst.nbytes
-        dst[:] = flat[offset:end]
-        offset = end
-
-
-def gather(pieces: Sequence[memoryview], dst: memoryview) -> None:
-    """Copy the 1-D byte views ``pieces`` back to back into ``dst`` (which holds at least their sum)."""
-    offset = 0
-    for piece in pieces:
-        end = offset + piece.nbytes
-        dst[offset:end] = piece
-        offset = end
 
 
 SLOTS = 2
