@@ -89,3 +89,16 @@ def test_a_frame_in_pageable_memory_goes_through_staging() -> None:
     assert stats.loaded_blocks == 2
     assert all(bool((c[2].view(torch.uint8) == 2).all()) for c in caches)
     assert [e[0] for e in cuda.log] == ["copy", "copy", *["scatter"] * LAYERS, "record", "host_wait"]
+
+
+def test_a_row_copied_straight_but_never_committed_does_not_skip_the_next_chunks_staged_copy() -> None:
+    """A bad block's row was copied straight and dropped; the next chunk, placed through staging, still
+    copies its staged rows to the device (the straight mark belongs to the chunk that made it)."""
+    io, caches, pool, _cuda = setup(Pinned)
+    assert pool._pool is not None
+    pool._pool[pool._lru[KEYS[0]][0], HEADER_SIZE] ^= 0xFF
+    assert load(io, pool, [5]).corrupt_dropped == 1
+    io._pinned_payload = lambda frame: None  # type: ignore[method-assign]  # the next frames: pageable
+    pool.put_many([(KEYS[0], [frame_header(FINGERPRINT, bytes([9]) * BLOCK, name=KEYS[0]), bytes([9]) * BLOCK])])
+    assert load(io, pool, [6]).loaded_blocks == 1
+    assert all(bool((c[6].view(torch.uint8) == 9).all()) for c in caches)

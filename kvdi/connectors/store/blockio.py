@@ -151,6 +151,7 @@ class CacheIO:
             return
         if self._committed:
             self._copy_in()
+        self._straight = set()  # rows copied straight but never committed (a bad block) are not this chunk's
         self._slot = (self._slot + 1) % SLOTS
         self._wait_slot(self._slot)
 
@@ -167,6 +168,7 @@ class CacheIO:
         is read or reused): on the event after them on the current stream, never a device-wide synchronize."""
         if self._committed:
             self._copy_in()
+        self._straight = set()
         if self.order is None:
             return
         if self._last is not None:
