@@ -54,6 +54,7 @@ class HostPoolStore:
         self._registrar = registrar
         self._pool: np.ndarray | None = None
         self._region: HostRegion | None = None  # the pinned pool's memory, if any
+        self._reserved: dict[int, np.ndarray] = {}  # slots lent to a device copy (:meth:`reserve`): their payload
         self._lru: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, size)
         self._free: list[int] = []  # slots given back by discard
         self._unused = 0  # slots from here on were never used (no list of num_slots entries)
@@ -148,6 +149,40 @@ class HostPoolStore:
             self._touch(keys)
             return present
 
+    def reserve(self, n: int, nbytes: int) -> list[np.ndarray] | None:
+        """For a device cache's save (:class:`~kvdi.connectors.store.blockio.CacheIO`): ``n`` slots taken out
+        of use (evicting as a write would) and their payload regions of ``nbytes``, after a frame header, for a
+        device copy to fill. Each is then stored by :meth:`put_many` with that region as its payload (the slot
+        is adopted: no copy) or handed back by :meth:`release`. None unless the pool is page-locked."""
+        with self._lock:
+            free = self.num_slots - len(self._reserved)
+            if not self.pinned_bytes or self._pool is None or HEADER_SIZE + nbytes > self.slot_bytes or n > free:
+                return None
+            payloads = []
+            for _ in range(n):
+                slot = self._take_slot()
+                self._reserved[slot] = self._pool[slot, HEADER_SIZE : HEADER_SIZE + nbytes]
+                payloads.append(self._reserved[slot])
+            return payloads
+
+    def release(self, payloads: Sequence[np.ndarray]) -> None:
+        """Hand back reserved payload regions that were not stored (stored ones are the pool's again already;
+        a region handed out again since, to another caller, is that caller's: matched by identity)."""
+        with self._lock:
+            for payload in payloads:
+                slot = self._slot_of(payload.data)
+                if slot is not None and self._reserved.get(slot) is payload:
+                    del self._reserved[slot]
+                    self._free.append(slot)
+
+    def _slot_of(self, payload: memoryview) -> int | None:
+        """The slot whose payload region starts where ``payload`` does, if any."""
+        if self._pool is None or not payload.nbytes:
+            return None
+        offset = np.frombuffer(payload, dtype=np.uint8).ctypes.data - self._pool.ctypes.data
+        slot, at = divmod(offset, self.slot_bytes)
+        return slot if at == HEADER_SIZE and 0 <= slot < self.num_slots else None
+
     def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
         """Copy each object into a slot, evicting LRU objects; returns how many were stored.
 
@@ -175,10 +210,24 @@ class HostPoolStore:
         size = sum(map(len, views))  # 1-D byte views: len is nbytes
         if size > self.slot_bytes:
             return 0
+        if self._reserved and len(views) == 2 and len(views[0]) == HEADER_SIZE:
+            slot = self._slot_of(views[1])
+            if slot in self._reserved:  # a reserved slot the device filled: write its header, keep it
+                return self._adopt(key, slot, views[0], size)
         pool = self._slots()
         entry = self._lru.pop(key, None)
         slot = entry[0] if entry is not None else self._take_slot()
         gather(views, pool[slot].data)
+        self._lru[key] = (slot, size)
+        return 1
+
+    def _adopt(self, key: bytes, slot: int, header: memoryview, size: int) -> int:
+        assert self._pool is not None
+        del self._reserved[slot]
+        old = self._lru.pop(key, None)
+        if old is not None:
+            self._free.append(old[0])
+        self._pool[slot, :HEADER_SIZE].data.cast("B")[:] = header
         self._lru[key] = (slot, size)
         return 1
 
@@ -217,6 +266,7 @@ class HostPoolStore:
         with self._lock:
             self._lru.clear()
             self._free, self._unused = [], 0
+            self._reserved.clear()
             self._pool = None
             region, self._region = self._region, None
             if region is not None:

@@ -13,21 +13,31 @@ block goes straight from the slot the pool lends to the device (:meth:`CacheIO.l
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 from kvdi.connectors.store.bytecopy import gather as gather  # re-exported: cpu_offload, multi, redis use them
 from kvdi.connectors.store.bytecopy import scatter as scatter
+from kvdi.connectors.store.copies import OrderedCopies
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.streams import StreamOrder, order_for
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from kvdi.allocator import Staging
+
+
+@runtime_checkable
+class SlotSink(Protocol):
+    """A store whose slots a device save fills straight (cpu_offload's page-locked pool: ``HostPoolStore``)."""
+
+    def reserve(self, n: int, nbytes: int) -> list[np.ndarray] | None: ...
+
+    def release(self, payloads: Sequence[np.ndarray]) -> None: ...
 
 
 SLOTS = 2
@@ -42,7 +52,7 @@ class SaveTicket(NamedTuple):
     block_ids: tuple[int, ...]
 
 
-class CacheIO:
+class CacheIO(OrderedCopies):
     """Per-layer uint8 views of the caches, plus staging for device caches.
 
     A device cache (``direct`` False) moves a chunk of up to ``chunk`` blocks with a fixed number of calls,
@@ -102,6 +112,8 @@ class CacheIO:
         self._last: Any = None  # the event after the last copies queued
         self._committed: list[int] = []  # block ids loaded into rows 0, 1, ... of this slot, not yet copied in
         self._straight: set[int] = set()  # rows of this chunk copied straight into the device scratch
+        self.sink: SlotSink | None = None  # a page-locked pool a save copies into straight (set by CacheIOs)
+        self._held: list[list[np.ndarray] | None] = [None] * SLOTS  # per ring slot: the sink's slots it filled
         self._lent: Any = None  # the event after the last straight copy out of a store's lent frame
         if self.direct:
             return
@@ -154,6 +166,13 @@ class CacheIO:
         self._straight = set()  # rows copied straight but never committed (a bad block) are not this chunk's
         self._slot = (self._slot + 1) % SLOTS
         self._wait_slot(self._slot)
+        self._release(self._slot)
+
+    def _release(self, slot: int) -> None:
+        """Hand the sink back its slots a save of ring slot ``slot`` filled and did not store."""
+        held, self._held[slot] = self._held[slot], None
+        if held and self.sink is not None:
+            self.sink.release(held)
 
     def _wait_slot(self, slot: int) -> None:
         event = self._events[slot]
@@ -169,6 +188,8 @@ class CacheIO:
         if self._committed:
             self._copy_in()
         self._straight = set()
+        for slot in range(SLOTS):
+            self._release(slot)
         if self.order is None:
             return
         if self._last is not None:
@@ -275,7 +296,15 @@ class CacheIO:
         scratch = self._scratch_words[:n]
         for l, u in enumerate(self._words):  # noqa: E741
             self._gather(scratch[:, l * lw : (l + 1) * lw], u, index)
-        self._copy(self._rows[self._slot][:n], rows[:n])
+        held = self.sink.reserve(n, self._row_bytes) if self.sink is not None and self.order is not None else None
+        if held is None:
+            self._copy(self._rows[self._slot][:n], rows[:n])
+        else:  # straight into the pool's slots: a block is one run, no host copy after
+            import torch
+
+            for r, payload in enumerate(held):
+                self._copy(torch.from_numpy(payload), rows[r])
+        self._held[self._slot] = held
         self._mark(self._slot)
         return SaveTicket(self._slot, ids)
 
@@ -285,6 +314,9 @@ class CacheIO:
             lb = self.layer_bytes
             return [[m[b * lb : (b + 1) * lb] for m in self._flat] for b in ticket.block_ids]
         self._wait_slot(ticket.slot)
+        held = self._held[ticket.slot]
+        if held is not None:  # filled straight: stored by adopting the slot (HostPoolStore.put_many)
+            return [[payload.data] for payload in held]
         rows = self._rows_np[ticket.slot]
         return [[memoryview(rows[i])] for i in range(len(ticket.block_ids))]
 
@@ -297,36 +329,6 @@ class CacheIO:
         index = self._index_dev[:n]
         self._copy(index, self._index[self._slot][:n])
         return index
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """One copy: asynchronous on the current stream of a CUDA cache (see :meth:`finish`)."""
-        if self.order is not None:
-            self.order.copy(dst, src)
-        else:
-            dst.copy_(src, non_blocking=True)
-
-    def _gather(self, out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
-        if self.order is not None:
-            self.order.gather(out, src, index)
-        else:
-            import torch
-
-            torch.index_select(src, 0, index, out=out)
-
-    def _scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-        if self.order is not None:
-            self.order.scatter(dst, index, src)
-        else:
-            dst.index_copy_(0, index, src)
-
-    def fence(self) -> object:
-        """On the engine thread, before handing a job to the background: what the job's copies must
-        follow (the compute queued so far on the current stream); None for a CPU cache."""
-        return self.order.fence() if self.order is not None else None
-
-    def on_side_stream(self, fence: object) -> contextlib.AbstractContextManager[object]:
-        """Background jobs run their copies inside this: on the side stream, after ``fence`` only."""
-        return self.order.side(fence) if self.order is not None else contextlib.nullcontext()
 
 
 class CacheIOs:
@@ -344,13 +346,16 @@ class CacheIOs:
 
     def __init__(
         self, caches: Sequence[torch.Tensor], layer_bytes: int, chunk: int, buffers: Staging | None, owner: str,
-        staging: bool | None = None, device_chunk: int | None = None,
+        staging: bool | None = None, device_chunk: int | None = None, sink: object = None,
     ) -> None:  # fmt: skip
+        """``sink``: the store; when it lends slots (:class:`SlotSink`) device saves copy into them straight."""
         self.caches = list(caches)
         self._args = (layer_bytes, chunk, buffers, owner, device_chunk)
+        self._sink: SlotSink | None = sink if isinstance(sink, SlotSink) else None
         self.io = CacheIO(
             self.caches, layer_bytes, chunk, staging, buffers, owner=f"{owner}/cache", device_chunk=device_chunk
         )
+        self.io.sink = self._sink
         self._free: list[CacheIO] = []
         self._made = itertools.count()  # next() is atomic: load jobs take from their own threads
 
@@ -363,7 +368,9 @@ class CacheIOs:
         except IndexError:
             layer_bytes, chunk, buffers, owner, device_chunk = self._args
             name = f"{owner}/job{next(self._made)}"
-            return CacheIO(self.caches, layer_bytes, chunk, True, buffers, owner=name, device_chunk=device_chunk)
+            made = CacheIO(self.caches, layer_bytes, chunk, True, buffers, owner=name, device_chunk=device_chunk)
+            made.sink = self._sink
+            return made
 
     def give_back(self, io: CacheIO) -> None:
         """A job is done with ``io`` (from :meth:`take`)."""
