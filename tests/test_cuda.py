@@ -600,6 +600,7 @@ def test_cpu_offload_moves_a_gib_against_raw_pinned_copies_a_gbps_line(record_pr
     raw_d2h = gbps(lambda: host.copy_(device, non_blocking=True))
     raw_h2d = gbps(lambda: device.copy_(host, non_blocking=True))
     assert store.pinned_bytes == blocks * (HEADER_SIZE + REAL.block_bytes)  # exactly the pool, page-locked
+    assert store._reserved == {}  # every slot a straight save reserved was stored
     line = (
         f"cpu_offload 1 GiB (512 x 2 MiB blocks, 32 layers, pinned pool): save {save_gbps:.1f} GB/s (raw pinned device-to-host "
         f"{raw_d2h:.1f}, {save_gbps / raw_d2h:.2f}x), load {load_gbps:.1f} GB/s (raw pinned host-to-device "
