@@ -187,7 +187,8 @@ class HostPoolStore:
         """Copy each object into a slot, evicting LRU objects; returns how many were stored.
 
         Objects larger than a slot are not kept; a failure (the pool cannot be allocated, a
-        piece is no byte buffer) skips that object and is logged once, never raised.
+        piece is no byte buffer) skips that object and is logged once, never raised. An object of
+        a header and a payload that is a reserved slot's region (:meth:`reserve`) adopts that slot.
         """
         stored = 0
         with self._lock:
