@@ -18,6 +18,7 @@
 #        except the NCCL tests on a machine with one GPU, prints what was not tested and the figures
 #        the tests recorded, never gating: the device rows, GB/s against one raw pinned copy_ each way of
 #        CacheIO's batched chunk copies and of a 1 GiB cpu_offload save and load through the store worker
+#        into and out of the page-locked pool (blocks go straight between its slots and the device)
 #        (test_cpu_offload_moves_a_gib_against_raw_pinned_copies_a_gbps_line; target 0.8x).
 #   .ci/gpu-check.sh --dry-run     on any machine (no GPU needed): steps 1-2 with .venv's Python, the
 #                                  same pytest run and the same verdict; without a GPU every CUDA test

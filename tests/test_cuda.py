@@ -210,17 +210,63 @@ def test_copies_against_raw_pinned_copies_report_a_gbps_line(record_property: An
     assert save_gbps > 0 and load_gbps > 0
 
 
-def test_the_cpu_offload_pool_is_pageable_host_memory(kvdi_env: Path) -> None:
-    """No device copy reads the pool (a CUDA cache's blocks go through the worker's pinned staging)."""
-    c = build_kv_container(kv_connector="cpu_offload", model=MODEL, cpu_offload={"max_bytes": 1 << 22})
+def test_the_cpu_offload_pool_is_page_locked_exactly_its_bytes_and_released_on_close(kvdi_env: Path) -> None:
+    """Next to CUDA the pool is registered with the driver (cudaHostRegister), exactly num_slots x frame bytes
+    (torch's caching host allocator would round it up to a power of two), and unregistered on close."""
+    from kvdi.connectors.pinned import HostRegion, cuda_registrar
+
+    c = build_kv_container(kv_connector="cpu_offload", model=MODEL, cpu_offload={"max_bytes": 3 << 20})
+    store = c.backend()
     try:
-        store = c.backend()
+        assert store.pinned_bytes == 0  # nothing before the first write
         store.put_many([(b"k" * 16, [b"x" * 100])])
         assert bytes(store.get_many([b"k" * 16])[0]) == b"x" * 100
-        pool = store._slots()  # the pool's one buffer (numpy view of the torch tensor owning it)
-        assert not torch.from_numpy(pool).is_pinned()
+        assert store.pinned_bytes == store.num_slots * store.slot_bytes
+        assert torch.from_numpy(store._slots()).is_pinned()
+        region = store._region
     finally:
         c.shutdown_resources()
+    assert store.pinned_bytes == 0 and region is not None and not region.pinned and region.array is None
+    again = HostRegion(3 << 20, cuda_registrar())
+    assert again.tensor().is_pinned()  # the driver registers and releases ranges over and over
+    again.close()
+
+
+def test_device_loads_from_the_pinned_pool_go_straight_from_the_slots_and_verify_every_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CUDA cache's load from the page-locked pool copies each block from its slot to the device (no staging
+    ring), byte for byte; a flipped byte in one slot is a dropped block, never KV in the cache."""
+    from kvdi.connectors.base import BlockTransfer
+    from kvdi.connectors.cpu_offload import HostPoolStore
+    from kvdi.connectors.store.framing import HEADER_SIZE
+    from kvdi.connectors.store.scheduler import StoreTransferMetadata
+
+    straight: list[bool] = []
+    real = CacheIO.load_straight
+    monkeypatch.setattr(CacheIO, "load_straight", lambda io, i, f: straight.append(real(io, i, f)) or straight[-1])
+    store = HostPoolStore(8, HEADER_SIZE + REAL.block_bytes, pin_memory=True)
+    worker = _store_worker(store, REAL, async_save=False)
+    caches = {n: torch.randint(-8, 8, (8, *REAL.block_shape), device="cuda").half() for n in REAL.layer_names}
+    worker.register_kv_caches(caches)
+    keys = _keys(4, tag=7)
+    before = {n: c[:4].clone() for n, c in caches.items()}
+    for meta in (StoreTransferMetadata(saves=(BlockTransfer("s", (0, 1, 2, 3), keys),)),):
+        worker.bind_connector_metadata(meta)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+    slot = store._lru[keys[2]][0]
+    store._slots()[slot, HEADER_SIZE + 5] ^= 0xFF
+    worker.bind_connector_metadata(StoreTransferMetadata(loads=(BlockTransfer("l", (4, 5, 6, 7), keys),)))
+    worker.start_load_kv()
+    worker.clear_connector_metadata()
+    torch.cuda.synchronize()
+    assert straight and all(straight)
+    assert all(torch.equal(caches[n][4:6], before[n][:2]) for n in caches)
+    assert worker.get_block_ids_with_load_errors() == {6, 7}
+    assert worker.stats.corrupt_dropped == 1
+    worker.shutdown()
+    store.close()
 
 
 @pytest.mark.parametrize("async_load", ["off", "on"])
@@ -514,7 +560,7 @@ def test_cpu_offload_moves_a_gib_against_raw_pinned_copies_a_gbps_line(record_pr
 
     blocks, reps = 512, 3
     nbytes = blocks * REAL.block_bytes
-    store = HostPoolStore(blocks, HEADER_SIZE + REAL.block_bytes)
+    store = HostPoolStore(blocks, HEADER_SIZE + REAL.block_bytes, pin_memory=True)  # as open_store makes it on CUDA
     worker = _store_worker(store, REAL, async_save=False)
     caches = {n: torch.empty((blocks, *REAL.block_shape), dtype=torch.float16, device="cuda") for n in REAL.layer_names}
     for c in caches.values():
@@ -553,8 +599,10 @@ def test_cpu_offload_moves_a_gib_against_raw_pinned_copies_a_gbps_line(record_pr
     assert worker.get_block_ids_with_load_errors() == set()
     raw_d2h = gbps(lambda: host.copy_(device, non_blocking=True))
     raw_h2d = gbps(lambda: device.copy_(host, non_blocking=True))
+    assert store.pinned_bytes == blocks * (HEADER_SIZE + REAL.block_bytes)  # exactly the pool, page-locked
+    assert store._reserved == {}  # every slot a straight save reserved was stored
     line = (
-        f"cpu_offload 1 GiB (512 x 2 MiB blocks, 32 layers): save {save_gbps:.1f} GB/s (raw pinned device-to-host "
+        f"cpu_offload 1 GiB (512 x 2 MiB blocks, 32 layers, pinned pool): save {save_gbps:.1f} GB/s (raw pinned device-to-host "
         f"{raw_d2h:.1f}, {save_gbps / raw_d2h:.2f}x), load {load_gbps:.1f} GB/s (raw pinned host-to-device "
         f"{raw_h2d:.1f}, {load_gbps / raw_h2d:.2f}x); target 0.8x"
     )

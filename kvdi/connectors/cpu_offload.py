@@ -1,8 +1,10 @@
 """The ``cpu_offload`` backend: a host memory pool of fixed-size slots with LRU eviction.
 
-The pool is one buffer of ``max_bytes // frame_bytes`` slots (pageable: no device copy reads it,
-a CUDA cache's blocks pass through the worker's pinned staging), allocated on first write. Each slot holds one
-framed object, verified on load like an object of any other store. The container builds one
+The pool is one buffer of ``max_bytes // frame_bytes`` slots, allocated on first write. Each slot holds one
+framed object (its header, then the block's payload as one run), verified on load like an object of any
+other store. Next to a CUDA cache (``allocator.pin_memory`` on) the buffer is page-locked, exactly its
+size (:class:`~kvdi.connectors.pinned.HostRegion`, not torch's power-of-two caching allocator) and
+released on close; on a CPU it is plain pageable memory. The container builds one
 pool per engine and hands it to both halves; a lock makes it safe to share across threads.
 
 Eviction drops the least recently used object. Within one batch (a chain of one request,
@@ -20,7 +22,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.store.blockio import gather, scatter
+from kvdi.connectors.pinned import HostRegion, HostRegistrar, cuda_registrar
+from kvdi.connectors.store.bytecopy import gather, scatter
 from kvdi.connectors.store.framing import HEADER_SIZE, Buffer
 from kvdi.connectors.store.integrity import frame_key
 from kvdi.errors import ConfigError
@@ -39,14 +42,19 @@ class HostPoolStore:
 
     hit_source = "host"  # the tier vLLM's external_prefix_cache_hits names (vllm CacheHitSource)
 
-    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool = False) -> None:
+    def __init__(
+        self, num_slots: int, slot_bytes: int, pin_memory: bool = False, registrar: HostRegistrar | None = None
+    ) -> None:
+        """``pin_memory``: page-lock the pool with ``registrar`` (None: CUDA's, :func:`cuda_registrar`)."""
         if num_slots < 1:
             raise ValueError("a host pool needs at least one slot")
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self._pin = pin_memory
+        self._registrar = registrar
         self._pool: np.ndarray | None = None
-        self._keep: object = None  # the torch tensor owning pinned memory, if any
+        self._region: HostRegion | None = None  # the pinned pool's memory, if any
+        self._reserved: dict[int, np.ndarray] = {}  # slots lent to a device copy (:meth:`reserve`): their payload
         self._lru: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, size)
         self._free: list[int] = []  # slots given back by discard
         self._unused = 0  # slots from here on were never used (no list of num_slots entries)
@@ -60,14 +68,27 @@ class HostPoolStore:
 
     def _slots(self) -> np.ndarray:
         if self._pool is None:
-            if self._pin:
-                import torch
-
-                tensor = torch.empty((self.num_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=True)
-                self._keep, self._pool = tensor, tensor.numpy()
-            else:
+            self._pool = self._pinned() if self._pin else None
+            if self._pool is None:
                 self._pool = np.empty((self.num_slots, self.slot_bytes), dtype=np.uint8)
         return self._pool
+
+    def _pinned(self) -> np.ndarray | None:
+        """The pool page-locked, exactly its bytes; None (pageable, logged) when the driver refuses."""
+        nbytes = self.num_slots * self.slot_bytes
+        try:
+            registrar = self._registrar if self._registrar is not None else cuda_registrar()
+            self._region = HostRegion(nbytes, registrar)
+        except (RuntimeError, OSError, MemoryError) as exc:
+            logger.warning("cpu_offload: page-locking the %d B pool failed, using pageable memory: %s", nbytes, exc)
+            return None
+        array = self._region.array
+        return None if array is None else array.reshape(self.num_slots, self.slot_bytes)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the pool page-locked for the device now (0: pageable, or not allocated yet)."""
+        return self._region.nbytes if self._region is not None and self._region.pinned else 0
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -128,11 +149,46 @@ class HostPoolStore:
             self._touch(keys)
             return present
 
+    def reserve(self, n: int, nbytes: int) -> list[np.ndarray] | None:
+        """For a device cache's save (:class:`~kvdi.connectors.store.blockio.CacheIO`): ``n`` slots taken out
+        of use (evicting as a write would) and their payload regions of ``nbytes``, after a frame header, for a
+        device copy to fill. Each is then stored by :meth:`put_many` with that region as its payload (the slot
+        is adopted: no copy) or handed back by :meth:`release`. None unless the pool is page-locked."""
+        with self._lock:
+            free = self.num_slots - len(self._reserved)
+            if not self.pinned_bytes or self._pool is None or HEADER_SIZE + nbytes > self.slot_bytes or n > free:
+                return None
+            payloads = []
+            for _ in range(n):
+                slot = self._take_slot()
+                self._reserved[slot] = self._pool[slot, HEADER_SIZE : HEADER_SIZE + nbytes]
+                payloads.append(self._reserved[slot])
+            return payloads
+
+    def release(self, payloads: Sequence[np.ndarray]) -> None:
+        """Hand back reserved payload regions that were not stored (stored ones are the pool's again already;
+        a region handed out again since, to another caller, is that caller's: matched by identity)."""
+        with self._lock:
+            for payload in payloads:
+                slot = self._slot_of(payload.data)
+                if slot is not None and self._reserved.get(slot) is payload:
+                    del self._reserved[slot]
+                    self._free.append(slot)
+
+    def _slot_of(self, payload: memoryview) -> int | None:
+        """The slot whose payload region starts where ``payload`` does, if any."""
+        if self._pool is None or not payload.nbytes:
+            return None
+        offset = np.frombuffer(payload, dtype=np.uint8).ctypes.data - self._pool.ctypes.data
+        slot, at = divmod(offset, self.slot_bytes)
+        return slot if at == HEADER_SIZE and 0 <= slot < self.num_slots else None
+
     def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
         """Copy each object into a slot, evicting LRU objects; returns how many were stored.
 
         Objects larger than a slot are not kept; a failure (the pool cannot be allocated, a
-        piece is no byte buffer) skips that object and is logged once, never raised.
+        piece is no byte buffer) skips that object and is logged once, never raised. An object of
+        a header and a payload that is a reserved slot's region (:meth:`reserve`) adopts that slot.
         """
         stored = 0
         with self._lock:
@@ -155,10 +211,24 @@ class HostPoolStore:
         size = sum(map(len, views))  # 1-D byte views: len is nbytes
         if size > self.slot_bytes:
             return 0
+        if self._reserved and len(views) == 2 and len(views[0]) == HEADER_SIZE:
+            slot = self._slot_of(views[1])
+            if slot in self._reserved:  # a reserved slot the device filled: write its header, keep it
+                return self._adopt(key, slot, views[0], size)
         pool = self._slots()
         entry = self._lru.pop(key, None)
         slot = entry[0] if entry is not None else self._take_slot()
         gather(views, pool[slot].data)
+        self._lru[key] = (slot, size)
+        return 1
+
+    def _adopt(self, key: bytes, slot: int, header: memoryview, size: int) -> int:
+        assert self._pool is not None
+        del self._reserved[slot]
+        old = self._lru.pop(key, None)
+        if old is not None:
+            self._free.append(old[0])
+        self._pool[slot, :HEADER_SIZE].data.cast("B")[:] = header
         self._lru[key] = (slot, size)
         return 1
 
@@ -188,15 +258,20 @@ class HostPoolStore:
     def check(self) -> str:
         """``kvdi check``'s one-line summary (``CheckedStore``); the pool itself is allocated on the first write."""
         gib = self.num_slots * self.slot_bytes / 2**30
-        return f"cpu_offload: {self.num_slots} slots of {self.slot_bytes} B ({gib:.2f} GiB), allocated on first write"
+        kind = "page-locked for CUDA, exactly its size" if self._pin else "pageable"
+        shape = f"{self.num_slots} slots of {self.slot_bytes} B ({gib:.2f} GiB, {kind})"
+        return f"cpu_offload: {shape}, allocated on first write"
 
     def close(self) -> None:
         """Drop the pool."""
         with self._lock:
             self._lru.clear()
             self._free, self._unused = [], 0
+            self._reserved.clear()
             self._pool = None
-            self._keep = None
+            region, self._region = self._region, None
+            if region is not None:
+                region.close()  # unregistered and unmapped now, not at exit
 
 
 def open_store(options: CpuOffloadSettings, layout: KVCacheSpec, settings: KvdiSettings) -> HostPoolStore:
@@ -209,8 +284,16 @@ def open_store(options: CpuOffloadSettings, layout: KVCacheSpec, settings: KvdiS
             f"layout is {frame_bytes} B; raise it to at least {frame_bytes}"
         )
     frame_key(settings)  # a bad integrity key is a ConfigError when the backend is built (and in `kvdi check`)
-    # never pinned: no GPU copy reads the pool (a CUDA cache's blocks go through the worker's pinned staging)
-    return HostPoolStore(num_slots, frame_bytes, pin_memory=False)
+    return HostPoolStore(num_slots, frame_bytes, pin_memory=pins_for_device(settings))
 
 
-__all__ = ["HostPoolStore", "open_store"]
+def pins_for_device(settings: KvdiSettings) -> bool:
+    """Whether the pool is page-locked: next to a CUDA cache with ``allocator.pin_memory`` on (never on a CPU)."""
+    if not settings.allocator.pin_memory or settings.allocator.device == "cpu":
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+__all__ = ["HostPoolStore", "open_store", "pins_for_device"]

@@ -7,50 +7,37 @@ cache, blocks bounce through a host staging buffer taken from the engine's alloc
 (:meth:`kvdi.allocator.GpuBufferAllocator.staging`: pinned when the cache is on CUDA and
 ``KVDI_ALLOCATOR__PIN_MEMORY`` is on); its copies are ordered against the engine's CUDA stream
 by :mod:`kvdi.connectors.streams` (events, a fenced side stream for background jobs, no
-device-wide synchronize).
+device-wide synchronize). Next to a page-locked pool (cpu_offload on CUDA) loads skip the staging: each
+block goes straight from the slot the pool lends to the device (:meth:`CacheIO.load_straight`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
-import numpy as np
-
+from kvdi.connectors.store.bytecopy import gather as gather  # re-exported: cpu_offload, multi, redis use them
+from kvdi.connectors.store.bytecopy import scatter as scatter
+from kvdi.connectors.store.copies import OrderedCopies
+from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.streams import StreamOrder, order_for
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from kvdi.allocator import Staging
-    from kvdi.connectors.store.framing import Buffer
 
 
-def scatter(src: Buffer | np.ndarray, pieces: Sequence[Buffer]) -> None:
-    """Copy the contiguous bytes ``src`` into the writable ``pieces`` in order (``src`` holds at least their sum).
+@runtime_checkable
+class SlotSink(Protocol):
+    """A store whose slots a device save fills straight (cpu_offload's page-locked pool: ``HostPoolStore``)."""
 
-    Byte-wise memoryview assignment: one ``memcpy`` per piece with far less per-call overhead
-    than a numpy copy (it matters: a block is tens of pieces, one per layer).
-    """
-    flat = (src.reshape(-1).view(np.uint8).data if isinstance(src, np.ndarray) else memoryview(src)).cast("B")
-    offset = 0
-    for piece in pieces:
-        dst = piece if isinstance(piece, memoryview) and piece.format == "B" else memoryview(piece).cast("B")
-        end = offset + dst.nbytes
-        dst[:] = flat[offset:end]
-        offset = end
+    def reserve(self, n: int, nbytes: int) -> list[np.ndarray] | None: ...
 
-
-def gather(pieces: Sequence[memoryview], dst: memoryview) -> None:
-    """Copy the 1-D byte views ``pieces`` back to back into ``dst`` (which holds at least their sum)."""
-    offset = 0
-    for piece in pieces:
-        end = offset + piece.nbytes
-        dst[offset:end] = piece
-        offset = end
+    def release(self, payloads: Sequence[np.ndarray]) -> None: ...
 
 
 SLOTS = 2
@@ -65,7 +52,7 @@ class SaveTicket(NamedTuple):
     block_ids: tuple[int, ...]
 
 
-class CacheIO:
+class CacheIO(OrderedCopies):
     """Per-layer uint8 views of the caches, plus staging for device caches.
 
     A device cache (``direct`` False) moves a chunk of up to ``chunk`` blocks with a fixed number of calls,
@@ -124,6 +111,10 @@ class CacheIO:
         self._events: list[Any] = [None] * SLOTS  # per slot: the event after its queued copies (None: none queued)
         self._last: Any = None  # the event after the last copies queued
         self._committed: list[int] = []  # block ids loaded into rows 0, 1, ... of this slot, not yet copied in
+        self._straight: set[int] = set()  # rows of this chunk copied straight into the device scratch
+        self.sink: SlotSink | None = None  # a page-locked pool a save copies into straight (set by CacheIOs)
+        self._held: list[list[np.ndarray] | None] = [None] * SLOTS  # per ring slot: the sink's slots it filled
+        self._lent: Any = None  # the event after the last straight copy out of a store's lent frame
         if self.direct:
             return
         if buffers is None:
@@ -137,14 +128,32 @@ class CacheIO:
         index = buffers(SLOTS * chunk * 8, owner=f"{name}/index").view(torch.int64).view(SLOTS, chunk)
         self._index = list(index.unbind(0))  # pinned with the staging: uploaded asynchronously, once per chunk
         self._index_np = [i.numpy() for i in self._index]
-        self._scratch = buffers(chunk * self._row_bytes, device=first.device, owner=f"{name}/scratch")
-        self._scratch = self._scratch.view(chunk, self._row_bytes)
-        self._index_dev = buffers(chunk * 8, device=first.device, owner=f"{name}/index-dev").view(torch.int64)
+        # The device scratch and ids are taken at the first copy, not here (:meth:`_device`): registration
+        # comes after vLLM sized its cache, and a cache only ever read from the host side needs none.
+        self._buffers, self._name, self._device_at = buffers, name, first.device
+        self._scratch: torch.Tensor | None = None
         # The gathers and scatters move 8-byte words where the layout allows (a byte-wise index kernel is slower).
-        word = torch.int64 if layer_bytes % 8 == 0 else torch.uint8
-        self._words = [u.view(word) for u in self._u8]
-        self._scratch_words = self._scratch.view(word)
+        self._word = torch.int64 if layer_bytes % 8 == 0 else torch.uint8
+        self._words = [u.view(self._word) for u in self._u8]
         self._layer_words = self._words[0].shape[1]
+
+    def _device(self) -> torch.Tensor:
+        """The device scratch (one chunk of rows, at most ``device_chunk`` blocks), with its ids taken at first use."""
+        if self._scratch is not None:
+            return self._scratch
+        import torch
+
+        chunk, where = self.chunk, self._device_at
+        scratch = self._buffers(chunk * self._row_bytes, device=where, owner=f"{self._name}/scratch")
+        self._index_dev = self._buffers(chunk * 8, device=where, owner=f"{self._name}/index-dev").view(torch.int64)
+        self._scratch = scratch.view(chunk, self._row_bytes)
+        self._scratch_words = self._scratch.view(self._word)
+        return self._scratch
+
+    @property
+    def device_scratch_bytes(self) -> int:
+        """Device bytes this CacheIO holds outside the cache: 0 until its first staged copy."""
+        return 0 if self._scratch is None else self.chunk * (self._row_bytes + 8)
 
     # -- the ring -------------------------------------------------------------------------------
 
@@ -154,8 +163,16 @@ class CacheIO:
             return
         if self._committed:
             self._copy_in()
+        self._straight = set()  # rows copied straight but never committed (a bad block) are not this chunk's
         self._slot = (self._slot + 1) % SLOTS
         self._wait_slot(self._slot)
+        self._release(self._slot)
+
+    def _release(self, slot: int) -> None:
+        """Hand the sink back its slots a save of ring slot ``slot`` filled and did not store."""
+        held, self._held[slot] = self._held[slot], None
+        if held and self.sink is not None:
+            self.sink.release(held)
 
     def _wait_slot(self, slot: int) -> None:
         event = self._events[slot]
@@ -170,6 +187,9 @@ class CacheIO:
         is read or reused): on the event after them on the current stream, never a device-wide synchronize."""
         if self._committed:
             self._copy_in()
+        self._straight = set()
+        for slot in range(SLOTS):
+            self._release(slot)
         if self.order is None:
             return
         if self._last is not None:
@@ -210,11 +230,47 @@ class CacheIO:
         if self._committed:
             self._copy_in()
 
+    def load_straight(self, i: int, frame: memoryview) -> bool:
+        """Queue the copy of block ``i`` of this chunk straight from a frame a store lends (``visit_many``) into
+        the device scratch, when the frame lies in page-locked memory (cpu_offload's pool next to a CUDA cache):
+        one run, no host copy. False (nothing queued): place it through staging. The caller verifies the frame
+        meanwhile, then calls :meth:`release_lent` before the store may reuse the frame's memory."""
+        if self.direct or self.order is None:
+            return False
+        src = self._pinned_payload(frame)
+        if src is None:
+            return False
+        self._copy(self._device()[i], src)
+        self._straight.add(i)
+        self._lent = self.order.mark()
+        return True
+
+    def _pinned_payload(self, frame: memoryview) -> torch.Tensor | None:
+        """The payload of ``frame`` as a tensor when it is one staged row in page-locked memory, else None."""
+        import torch
+
+        if frame.nbytes != HEADER_SIZE + self._row_bytes or frame.readonly:
+            return None
+        payload = torch.frombuffer(frame, dtype=torch.uint8)[HEADER_SIZE:]
+        return payload if payload.is_pinned() else None
+
+    def release_lent(self) -> None:
+        """Wait (on its event) until the straight copy out of the last lent frame is done."""
+        event, self._lent = self._lent, None
+        if event is not None:
+            event.synchronize()
+
     def _copy_in(self) -> None:
+        rows = self._device()
         ids, self._committed = self._committed, []
+        straight, self._straight = self._straight, set()
         n, lw = len(ids), self._layer_words
         index = self._upload(ids)
-        self._copy(self._scratch[:n], self._rows[self._slot][:n])
+        if not straight:
+            self._copy(rows[:n], self._rows[self._slot][:n])
+        for r in range(n):  # a chunk mixing both (never from one store): the staged rows one by one
+            if straight and r not in straight:
+                self._copy(rows[r], self._rows[self._slot][r])
         scratch = self._scratch_words[:n]
         for l, u in enumerate(self._words):  # noqa: E741
             self._scatter(u, index, scratch[:, l * lw : (l + 1) * lw])
@@ -234,12 +290,21 @@ class CacheIO:
         if len(ids) > self.chunk:
             raise ValueError(f"{len(ids)} blocks do not fit a staging chunk of {self.chunk}")
         self.begin()
+        rows = self._device()
         n, lw = len(ids), self._layer_words
         index = self._upload(ids)
         scratch = self._scratch_words[:n]
         for l, u in enumerate(self._words):  # noqa: E741
             self._gather(scratch[:, l * lw : (l + 1) * lw], u, index)
-        self._copy(self._rows[self._slot][:n], self._scratch[:n])
+        held = self.sink.reserve(n, self._row_bytes) if self.sink is not None and self.order is not None else None
+        if held is None:
+            self._copy(self._rows[self._slot][:n], rows[:n])
+        else:  # straight into the pool's slots: a block is one run, no host copy after
+            import torch
+
+            for r, payload in enumerate(held):
+                self._copy(torch.from_numpy(payload), rows[r])
+        self._held[self._slot] = held
         self._mark(self._slot)
         return SaveTicket(self._slot, ids)
 
@@ -249,6 +314,9 @@ class CacheIO:
             lb = self.layer_bytes
             return [[m[b * lb : (b + 1) * lb] for m in self._flat] for b in ticket.block_ids]
         self._wait_slot(ticket.slot)
+        held = self._held[ticket.slot]
+        if held is not None:  # filled straight: stored by adopting the slot (HostPoolStore.put_many)
+            return [[payload.data] for payload in held]
         rows = self._rows_np[ticket.slot]
         return [[memoryview(rows[i])] for i in range(len(ticket.block_ids))]
 
@@ -261,36 +329,6 @@ class CacheIO:
         index = self._index_dev[:n]
         self._copy(index, self._index[self._slot][:n])
         return index
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """One copy: asynchronous on the current stream of a CUDA cache (see :meth:`finish`)."""
-        if self.order is not None:
-            self.order.copy(dst, src)
-        else:
-            dst.copy_(src, non_blocking=True)
-
-    def _gather(self, out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
-        if self.order is not None:
-            self.order.gather(out, src, index)
-        else:
-            import torch
-
-            torch.index_select(src, 0, index, out=out)
-
-    def _scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-        if self.order is not None:
-            self.order.scatter(dst, index, src)
-        else:
-            dst.index_copy_(0, index, src)
-
-    def fence(self) -> object:
-        """On the engine thread, before handing a job to the background: what the job's copies must
-        follow (the compute queued so far on the current stream); None for a CPU cache."""
-        return self.order.fence() if self.order is not None else None
-
-    def on_side_stream(self, fence: object) -> contextlib.AbstractContextManager[object]:
-        """Background jobs run their copies inside this: on the side stream, after ``fence`` only."""
-        return self.order.side(fence) if self.order is not None else contextlib.nullcontext()
 
 
 class CacheIOs:
@@ -308,13 +346,16 @@ class CacheIOs:
 
     def __init__(
         self, caches: Sequence[torch.Tensor], layer_bytes: int, chunk: int, buffers: Staging | None, owner: str,
-        staging: bool | None = None, device_chunk: int | None = None,
+        staging: bool | None = None, device_chunk: int | None = None, sink: object = None,
     ) -> None:  # fmt: skip
+        """``sink``: the store; when it lends slots (:class:`SlotSink`) device saves copy into them straight."""
         self.caches = list(caches)
         self._args = (layer_bytes, chunk, buffers, owner, device_chunk)
+        self._sink: SlotSink | None = sink if isinstance(sink, SlotSink) else None
         self.io = CacheIO(
             self.caches, layer_bytes, chunk, staging, buffers, owner=f"{owner}/cache", device_chunk=device_chunk
         )
+        self.io.sink = self._sink
         self._free: list[CacheIO] = []
         self._made = itertools.count()  # next() is atomic: load jobs take from their own threads
 
@@ -327,7 +368,9 @@ class CacheIOs:
         except IndexError:
             layer_bytes, chunk, buffers, owner, device_chunk = self._args
             name = f"{owner}/job{next(self._made)}"
-            return CacheIO(self.caches, layer_bytes, chunk, True, buffers, owner=name, device_chunk=device_chunk)
+            made = CacheIO(self.caches, layer_bytes, chunk, True, buffers, owner=name, device_chunk=device_chunk)
+            made.sink = self._sink
+            return made
 
     def give_back(self, io: CacheIO) -> None:
         """A job is done with ``io`` (from :meth:`take`)."""

@@ -47,7 +47,7 @@ class ReadChunk:
     visited: list[BaseException | None] | None = None
 
 
-PLACE_BYTES = 256 << 10  # bytes hashed then copied at a time: they are still in the CPU's L2 when copied
+PLACE_BYTES = 256 << 10  # bytes copied then hashed at a time: what was copied is still in the CPU cache
 
 
 def place_frame(
@@ -63,7 +63,8 @@ def place_frame(
     each span of up to :data:`PLACE_BYTES` is hashed, then copied while it is in the CPU cache.
 
     Raises CorruptObjectError (header faults before any byte is copied); on a bad checksum or MAC the
-    pieces hold the bad payload, so the caller must treat the block as not loaded.
+    pieces hold the bad payload, so the caller must treat the block as not loaded. No ``pieces``: the
+    frame is verified only (its payload is copied elsewhere: straight to a device).
     """
     view = memoryview(frame).cast("B")
     check_header(view[:HEADER_SIZE], fingerprint, block_bytes, name=name)
@@ -72,14 +73,18 @@ def place_frame(
     if view.nbytes != HEADER_SIZE + block_bytes:
         raise CorruptObjectError("length", f"object of {view.nbytes} B, expected {HEADER_SIZE + block_bytes} B")
     hasher = PayloadHasher(mac_key)
+    if not pieces:  # verify only: the payload is being copied straight to a device (CacheIO.load_straight)
+        for start in range(HEADER_SIZE, view.nbytes, PLACE_BYTES):
+            hasher.update(view[start : min(start + PLACE_BYTES, view.nbytes)])
+        return hasher.verify(view[:HEADER_SIZE], fingerprint, block_bytes, name=name)
     offset = HEADER_SIZE
     for piece in pieces:
         dst = piece if piece.format == "B" else piece.cast("B")
         for start in range(0, dst.nbytes, PLACE_BYTES):
             end = min(start + PLACE_BYTES, dst.nbytes)
-            src = view[offset + start : offset + end]
-            hasher.update(src)
-            dst[start:end] = src
+            span = dst[start:end]
+            span[:] = view[offset + start : offset + end]
+            hasher.update(span)  # what landed, while it is in the CPU cache (a copy's stores leave it there)
         offset += dst.nbytes
     if offset != view.nbytes:
         raise CorruptObjectError("length", f"pieces of {offset - HEADER_SIZE} B for a {block_bytes} B payload")
@@ -102,10 +107,18 @@ def read_chunk(
     pieces = [io.load_pieces(i, bid) for i, bid in enumerate(ids)]
     if caps.visit:
         outcome: list[BaseException | None] = [None] * len(ids)
+        straight = not io.direct  # a device cache: a frame lent in page-locked memory goes straight to it
 
         def visit(i: int, frame: memoryview) -> None:
             try:
-                place(frame, keys[i], pieces[i])
+                plain = frame.nbytes > HEADER_SIZE and not frame_codec(frame[:HEADER_SIZE])
+                if straight and plain and io.load_straight(i, frame):
+                    try:
+                        place(frame, keys[i], ())  # verified on the CPU while the device copies it
+                    finally:
+                        io.release_lent()  # the copy is done before the store may reuse the frame
+                else:
+                    place(frame, keys[i], pieces[i])
             except Exception as exc:  # recorded, never raised into the store
                 outcome[i] = exc
 

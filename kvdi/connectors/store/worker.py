@@ -71,7 +71,9 @@ class StoreWorkerConnector(WorkerConnector):
         self._frame_bytes = HEADER_SIZE + layout.block_bytes
         self._chunk = max(1, CHUNK_BYTES // layout.block_bytes)
         self._save_batch = save_batch_blocks(self.store)  # a remote store's batch, 0 for others (:mod:`.writes`)
-        self._device_chunk = max(1, DEVICE_CHUNK_BYTES // layout.block_bytes)
+        self._device_chunk = max(
+            1, min(DEVICE_CHUNK_BYTES, context.settings.allocator.max_staging_bytes) // layout.block_bytes
+        )
         self._readahead = max(self._chunk, READAHEAD_BYTES // layout.block_bytes)  # blocks
         self._ios: CacheIOs | None = None  # this registration's cache access and its jobs' staging
         self._executor: ThreadPoolExecutor | None = None
@@ -99,7 +101,7 @@ class StoreWorkerConnector(WorkerConnector):
         tensors = [kv_caches[n] for n in names] if len(names) == len(kv_caches) else list(kv_caches.values())
         # A new registration replaces the old one whole: jobs still running give their staging back to the old one.
         args = (tensors, layout.layer_block_bytes, self._chunk, self.context.staging, f"{self.name}/store")
-        self._ios = CacheIOs(*args, device_chunk=self._device_chunk)
+        self._ios = CacheIOs(*args, device_chunk=self._device_chunk, sink=self.store)
 
     @property
     def inflight_bytes(self) -> int:  # queued asynchronous saves: a gauge (:class:`~kvdi.connectors.base.WorkerGauges`)
