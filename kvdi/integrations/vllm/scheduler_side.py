@@ -5,6 +5,10 @@ request tracker, the fleet side (:class:`~.fleet.events.SchedulerFleet`), the he
 (:class:`~.pending.HeldSaves`), the adapter's counters, the :class:`~.block_index.BlockIndex`
 of a process-local store (or None) and the half when it prefetches at lookup (or None). The
 connector forwards vLLM's scheduler-role hooks here.
+
+A step costs kvdi the same whatever the number of running requests when none can move a block: kvdi's own
+halves plan only prompt blocks, so the tracker passes them only new, resumed and prompt-phase requests
+(:func:`prompt_steps_only`), and an envelope that carries nothing pickles to a few dozen bytes.
 """
 
 from __future__ import annotations
