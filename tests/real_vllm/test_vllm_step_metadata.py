@@ -102,3 +102,13 @@ def test_envelopes_arrive_whole_at_the_workers() -> None:
         assert back == meta and type(back.inner) is type(meta.inner)
     empty = pickle.loads(pickle.dumps(KvdiConnectorMetadata(StoreTransferMetadata())))
     assert empty.inner is EMPTY_INNER[0]
+
+
+def test_another_scheduler_half_still_sees_every_scheduled_request() -> None:
+    """Only kvdi's own halves (prompt blocks only) skip decoding requests; a half wrapping one does not."""
+    from kvdi.integrations.vllm.scheduler_side import prompt_steps_only
+    from kvdi.testing.recording import RecordingSchedulerConnector
+
+    side = _side()
+    assert side._tracker.prompt_only and prompt_steps_only(side.half)
+    assert not prompt_steps_only(RecordingSchedulerConnector(side.half.context, side.half))
