@@ -176,7 +176,8 @@ class StatsFileWriter:
             self._thread = threading.Thread(target=self._run, name=f"kvdi-stats-{self._args[2]}", daemon=True)
             self._thread.start()
             atexit.register(self.close)  # an engine that exits without shutting kvdi down still writes the last
-        self._moved.set()
+        if not self._moved.is_set():  # already set: the thread writes these steps too (no lock taken)
+            self._moved.set()
 
     def _run(self) -> None:
         while True:
