@@ -23,7 +23,7 @@ import pytest
 from tests.helpers.deploy import series_used
 from tests.real_vllm.fleet_support import EventSubscriber, FleetServer, exposed, scrape, series
 from tests.real_vllm.serve_support import model_with_tokenizer, word
-from tests.real_vllm.vllm_support import BLOCK_SIZE, kv_config, read_stats, require_vllm
+from tests.real_vllm.vllm_support import BLOCK_SIZE, kv_config, read_stats, read_stats_settled, require_vllm
 
 require_vllm()
 
@@ -166,13 +166,13 @@ def test_events_metrics_hit_sources_and_reset(fleet: Fleet, prompts: list[list[i
     before = len(fleet.events.events())
     live = _kvdi_live(fleet.events.events())
     assert live  # B's blocks
-    hit_blocks = read_stats(fleet.stats, "scheduler")["lookup_hit_blocks"]
+    hit_blocks = read_stats_settled(fleet.stats, "scheduler")["lookup_hit_blocks"]
     assert fleet.server.post("/reset_prefix_cache?reset_external=true")["success"] is True
     fleet.complete(b)  # events go out with the next engine step
     seen = fleet.events.wait_for(lambda ev: live <= _kvdi_removed(ev[before:]))
     seen = fleet.events.wait_for(lambda ev: len(_kvdi_stored(ev)) >= a_blocks + 2 * b_blocks)
     assert sum(type(e).__name__ == "AllBlocksCleared" for e in seen[before:]) == 1  # vLLM's; kvdi publishes none
-    assert read_stats(fleet.stats, "scheduler")["lookup_hit_blocks"] == hit_blocks
+    assert read_stats_settled(fleet.stats, "scheduler")["lookup_hit_blocks"] == hit_blocks
     assert [e.block_hashes[0] for e in _kvdi_stored(seen)[-b_blocks:]] == [
         e.block_hashes[0] for e in _kvdi_stored(seen)[a_blocks : a_blocks + b_blocks]
     ]

@@ -13,6 +13,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +174,20 @@ def read_stats(stats_dir: Path, role: str) -> dict[str, float]:
             if isinstance(value, int | float) and not isinstance(value, bool):
                 total[key] = total.get(key, 0) + value
     return total
+
+
+def read_stats_settled(stats_dir: Path, role: str, quiet_s: float = 1.0, timeout_s: float = 30.0) -> dict[str, float]:
+    """:func:`read_stats` of a live engine, once its files stayed the same for ``quiet_s``: kvdi writes a stats
+    file from a thread a moment after the counters move (kvdi.integrations.vllm.fleet.stats), not before the
+    step's outputs reach the client."""
+    deadline = time.monotonic() + timeout_s
+    seen, since = read_stats(stats_dir, role), time.monotonic()
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = read_stats(stats_dir, role)
+        if now != seen:
+            seen, since = now, time.monotonic()
+    return seen
 
 
 def files_under(path: Path) -> tuple[int, int]:

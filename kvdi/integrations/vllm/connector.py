@@ -311,8 +311,9 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
     def get_kv_connector_stats(self) -> KvdiConnectorStats | None:
         """kvdi's counters since the last call, keyed by the registered connector name; None when none moved.
 
-        vLLM asks every step on both roles: a step where no counter moved builds nothing but the gauges' check, and
-        the stats file (``kvdi_stats_dir``) is rewritten on this step (:class:`.fleet.stats.StatsFileWriter`).
+        vLLM asks every step on both roles: a step where no counter moved builds nothing but the gauges' check; one
+        where they moved wakes the stats file's writer thread (``kvdi_stats_dir``:
+        :class:`.fleet.stats.StatsFileWriter`), which rewrites the file off the engine's thread.
         """
         delta, extra = self._reporter.delta(), self._counts_reporter.delta()
         entry = self._fleet_counters.entry({**delta, **extra} if delta and extra else delta or extra)
@@ -338,7 +339,8 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
         return {**self._reporter.as_dict(), **self._counts_reporter.as_dict()}
 
     def shutdown(self) -> None:
-        """Shut kvdi's half down (queued saves drained), write the final counters, close the shared-tier publisher."""
+        """Shut kvdi's half down (queued saves drained), stop the stats file's writer thread and write the final
+        counters (the drained saves counted), close the shared-tier publisher, in that order."""
         if self._closed:
             return
         self._closed = True

@@ -1,6 +1,7 @@
 """kvdi's messages and counters in vLLM's own envelope types (imports vLLM).
 
-- :class:`KvdiConnectorMetadata`: scheduler to worker, per step (kvdi's metadata inside);
+- :class:`KvdiConnectorMetadata`: scheduler to worker, per step (kvdi's metadata inside); a step that moves
+  nothing pickles to a few dozen bytes (:data:`EMPTY_INNER`), whatever the number of running requests;
 - :class:`KvdiWorkerMetadata`: worker to scheduler, per step (keys stored / found gone);
 - :class:`KvdiConnectorStats`: kvdi counters in vLLM's stats pipeline, summed across workers.
 """
@@ -14,7 +15,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvdi.connectors.base import KVConnectorMetadata
+from kvdi.connectors.base import BlockTransferMetadata, KVConnectorMetadata
+from kvdi.connectors.p2p.scheduler import P2pTransferMetadata
+from kvdi.connectors.store.scheduler import StoreTransferMetadata
+
+# kvdi's metadata of a step that moves nothing, one per kind: inside an envelope it pickles as its index here.
+EMPTY_INNER: tuple[KVConnectorMetadata, ...] = (
+    StoreTransferMetadata(),
+    StoreTransferMetadata(async_save=True),  # transfer.async_save: the store halves' default
+    BlockTransferMetadata(),
+    P2pTransferMetadata(),
+)
+_ENVELOPE_DEFAULTS: tuple[object, ...] = (None, (), (), False)
 
 
 @dataclass
@@ -48,6 +60,32 @@ class KvdiConnectorMetadata(VllmConnectorMetadata):  # type: ignore[misc,unused-
     preempted: tuple[str, ...] = ()
     unheld: tuple[str, ...] = ()
     idle: bool = False
+
+    def __reduce__(self) -> tuple[Any, tuple[object, ...]]:
+        """Pickled to the workers every step (vLLM's multiprocess executors): fields at their default are left
+        out, and an empty inner metadata of :data:`EMPTY_INNER` travels as its index."""
+        inner: object = self.inner
+        for index, empty in enumerate(EMPTY_INNER):
+            if type(inner) is type(empty) and inner == empty:
+                inner = index
+                break
+        args = (inner, self.preempted, self.unheld, self.idle)
+        n = len(args)
+        while n and args[n - 1] == _ENVELOPE_DEFAULTS[n - 1]:
+            n -= 1
+        return _envelope, args[:n]
+
+
+def _envelope(
+    inner: KVConnectorMetadata | int | None = None,
+    preempted: tuple[str, ...] = (),
+    unheld: tuple[str, ...] = (),
+    idle: bool = False,
+) -> KvdiConnectorMetadata:
+    """Unpickles :class:`KvdiConnectorMetadata` (``inner`` an int: that empty metadata of :data:`EMPTY_INNER`)."""
+    if isinstance(inner, int):
+        inner = EMPTY_INNER[inner]
+    return KvdiConnectorMetadata(inner, preempted, unheld, idle)
 
 
 @dataclass

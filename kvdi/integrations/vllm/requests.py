@@ -38,14 +38,24 @@ class RequestTracker:
     request finishes; each request's block lists as vLLM grows them (vLLM sends only new
     blocks of running requests), one per KV cache group (:attr:`groups`; :attr:`blocks` is
     the first group's), with the first group's tuple rebuilt only when it changed.
+
+    With :attr:`prompt_only` (kvdi's own halves, which load and save prompt blocks only: see
+    :func:`~.scheduler_side.prompt_steps_only`) a step passes on only the requests that can still move a block:
+    new and resumed ones, and running ones whose prompt is not computed yet. A request whose
+    prompt the step computes to its end is passed on that step, then settles: its block lists
+    are dropped and later steps skip it without looking at it (decoding requests cost nothing
+    per step) until vLLM resumes it with its full block lists after a preemption.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, prompt_only: bool = False) -> None:
         self.requests: dict[str, KVRequest] = {}
         self.blocks: dict[str, list[int]] = {}
         self.groups: dict[str, list[list[int]]] = {}
         self._block_tuples: dict[str, tuple[int, ...]] = {}
         self.step = 0
+        self.prompt_only = prompt_only
+        self.in_prompt: set[str] = set()  # prompt_only: running requests whose prompt is not computed yet
+        self._settled: list[str] = []  # prompt_only: passed on for the last time last step: block lists to drop
 
     def request(self, vllm_request: Any) -> KVRequest:
         """The :class:`KVRequest` of ``vllm_request``, built once per request id."""
@@ -60,6 +70,10 @@ class RequestTracker:
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self.in_prompt.discard(request_id)
+        self._drop_blocks(request_id)
+
+    def _drop_blocks(self, request_id: str) -> None:
         self.blocks.pop(request_id, None)
         self.groups.pop(request_id, None)
         self._block_tuples.pop(request_id, None)
@@ -81,7 +95,14 @@ class RequestTracker:
 
     def translate(self, output: Any) -> SchedulerOutput:
         """kvdi's SchedulerOutput of one vLLM step; updates block lists (new requests, growth, resumption)."""
+        for req_id in self._settled:  # the half planned their last step: their block lists are of no more use
+            if req_id not in self.in_prompt:
+                self._drop_blocks(req_id)
+        self._settled = []
         scheduled: list[ScheduledRequest] = []
+        cached = output.scheduled_cached_reqs
+        # Which of vLLM's scheduled cached requests to look at, by their index in its lists (before new ones join).
+        picked = self._picked(cached, output.num_scheduled_tokens) if self.prompt_only else range(len(cached.req_ids))
         for new in output.scheduled_new_reqs:
             req_id = str(new.req_id)
             request = self.requests.get(req_id)
@@ -90,8 +111,8 @@ class RequestTracker:
                 self.requests[req_id] = request
             self._set_blocks(req_id, new.block_ids)
             scheduled.append(self._scheduled(request, new.num_computed_tokens, output))
-        cached = output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
+        for i in picked:
+            req_id = cached.req_ids[i]
             request = self.requests.get(req_id)
             if request is None:
                 continue
@@ -107,9 +128,29 @@ class RequestTracker:
         self.step += 1
         return SchedulerOutput(self.step, tuple(scheduled), finished)
 
+    def _picked(self, cached: Any, num_scheduled: Any) -> list[int]:
+        """prompt_only: indexes in ``cached`` of the resumed requests and those still in their prompt, in vLLM's
+        order; no work at all when there are none (every running request decodes)."""
+        resumed = cached.resumed_req_ids
+        wanted = [r for r in self.in_prompt if r in num_scheduled]
+        if not wanted and not resumed:
+            return []
+        ids = cached.req_ids
+        if len(wanted) + len(resumed) > 4:
+            where = {r: i for i, r in enumerate(ids)}
+            return sorted(i for i in map(where.get, {*wanted, *resumed}) if i is not None)
+        return sorted(ids.index(r) for r in {*wanted, *resumed} if r in ids)
+
     def _scheduled(self, request: KVRequest, num_computed: int, output: Any) -> ScheduledRequest:
         rid = request.request_id
         blocks = self._block_tuples.get(rid)
         if blocks is None:
             blocks = self._block_tuples[rid] = tuple(self.blocks.get(rid, ()))
-        return ScheduledRequest(request, blocks, int(num_computed), int(output.num_scheduled_tokens.get(rid, 0)))
+        num_scheduled = int(output.num_scheduled_tokens.get(rid, 0))
+        if self.prompt_only:  # still in its prompt after this step? Otherwise this is the last step it is passed on
+            if int(num_computed) + num_scheduled < len(request.prompt_token_ids):
+                self.in_prompt.add(rid)
+            else:
+                self.in_prompt.discard(rid)
+                self._settled.append(rid)
+        return ScheduledRequest(request, blocks, int(num_computed), num_scheduled)

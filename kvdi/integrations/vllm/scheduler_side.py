@@ -5,6 +5,10 @@ request tracker, the fleet side (:class:`~.fleet.events.SchedulerFleet`), the he
 (:class:`~.pending.HeldSaves`), the adapter's counters, the :class:`~.block_index.BlockIndex`
 of a process-local store (or None) and the half when it prefetches at lookup (or None). The
 connector forwards vLLM's scheduler-role hooks here.
+
+A step costs kvdi the same whatever the number of running requests when none can move a block: kvdi's own
+halves plan only prompt blocks, so the tracker passes them only new, resumed and prompt-phase requests
+(:func:`prompt_steps_only`), and an envelope that carries nothing pickles to a few dozen bytes.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvdi.connectors.base import PrefetchingScheduler, SchedulerConnector
+from kvdi.connectors.null import NullSchedulerConnector
+from kvdi.connectors.p2p.scheduler import P2pSchedulerConnector
 from kvdi.connectors.store.scheduler import StoreSchedulerConnector
 from kvdi.integrations.vllm.async_loads import SchedulerLoads
 from kvdi.integrations.vllm.block_index import BlockIndex
@@ -42,6 +48,7 @@ class SchedulerSide:
         self.held_saves = held_saves
         self.counts = counts
         self._tracker = tracker
+        tracker.prompt_only = prompt_steps_only(half)  # decoding requests cost nothing per step
         self._index = index
         self._prefetcher = prefetcher  # the half, when it prefetches at lookup (:mod:`.prefetch`)
         self._hybrid = half if isinstance(half, HybridScheduler) else None
@@ -119,4 +126,11 @@ class SchedulerSide:
         return self.held_saves.pending_push_work(bool(prefetch is not None and prefetch.drops_due))
 
 
-__all__ = ["SchedulerSide"]
+def prompt_steps_only(half: SchedulerConnector) -> bool:
+    """Whether ``half`` plans transfers of prompt blocks only, so the :class:`RequestTracker` passes on only the
+    requests that can still move a block (:attr:`RequestTracker.prompt_only`): kvdi's store, p2p, null and hybrid
+    scheduler halves and their subclasses. Any other half sees every scheduled request every step, as before."""
+    return isinstance(half, (StoreSchedulerConnector, P2pSchedulerConnector, NullSchedulerConnector, HybridScheduler))
+
+
+__all__ = ["SchedulerSide", "prompt_steps_only"]

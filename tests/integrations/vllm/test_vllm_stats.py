@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -88,16 +89,65 @@ def _read_when(path: Path, check: object, timeout_s: float = 10.0) -> dict[str, 
     raise AssertionError(f"{path} never showed saved_blocks={check}")
 
 
-def test_stats_file_writer_rewrites_the_file_before_stale_returns(tmp_path: Path) -> None:
-    """A step whose counters moved leaves the file current when it returns (a killed process loses nothing)."""
+def _stats_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvdi-stats-")]
+
+
+def test_stats_file_writer_writes_from_its_thread_started_on_the_first_moved_step(tmp_path: Path) -> None:
+    """No thread until counters move; then the thread writes the file, and stale() never writes it itself."""
+    counters = {"saved_blocks": 1}
+    callers: list[str] = []
+
+    def read() -> dict[str, int | float]:
+        callers.append(threading.current_thread().name)
+        return dict(counters)
+
+    writer = StatsFileWriter(str(tmp_path), "e1", "worker", "x", read)
+    path = tmp_path / f"e1-worker-{os.getpid()}.json"
+    assert not _stats_threads()
+    writer.stale()
+    assert _read_when(path, 1)["connector"] == "x"
+    counters["saved_blocks"] = 7
+    writer.stale()
+    assert _read_when(path, 7)["saved_blocks"] == 7
+    writer.close()
+    assert not _stats_threads()
+    assert callers[:-1] == ["kvdi-stats-worker"] * (len(callers) - 1) and callers[-1] == "MainThread"
+
+
+def test_stats_file_writer_coalesces_steps_into_few_writes(tmp_path: Path) -> None:
+    """A thousand moved steps while the thread writes give one more write, not a thousand (no queue)."""
+    entered, gate, reads = threading.Event(), threading.Event(), [0]
+
+    def read() -> dict[str, int | float]:
+        reads[0] += 1
+        entered.set()
+        gate.wait()
+        return {"saved_blocks": reads[0]}
+
+    writer = StatsFileWriter(str(tmp_path), "e1", "worker", "x", read, min_interval_s=0.0)
+    writer.stale()
+    assert entered.wait(10)  # the thread is writing the first step's counters
+    for _ in range(1000):
+        writer.stale()
+    gate.set()
+    _read_when(tmp_path / f"e1-worker-{os.getpid()}.json", 2)  # the first write, then the coalesced one
+    writer.close()
+    assert reads[0] == 3 and writer.writes == 3  # the last of them is close's final write
+
+
+def test_stats_file_writer_close_writes_counters_that_moved_without_a_step(tmp_path: Path) -> None:
+    """The connector drains kvdi's queued saves, then closes: the final file counts what the drain moved."""
     counters = {"saved_blocks": 1}
     writer = StatsFileWriter(str(tmp_path), "e1", "worker", "x", lambda: dict(counters))
     path = tmp_path / f"e1-worker-{os.getpid()}.json"
     writer.stale()
-    assert json.loads(path.read_text())["saved_blocks"] == 1
-    counters["saved_blocks"] = 7
-    writer.stale()
-    assert json.loads(path.read_text())["saved_blocks"] == 7
+    _read_when(path, 1)
+    counters["saved_blocks"] = 9  # saves that landed during shutdown's drain: no step reported them
+    writer.close()
+    assert json.loads(path.read_text())["saved_blocks"] == 9
+    writer.stale()  # after close: nothing starts again
+    assert not _stats_threads()
 
 
 def test_stats_file_writer_close_writes_the_final_counters(tmp_path: Path) -> None:

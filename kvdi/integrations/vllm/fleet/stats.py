@@ -5,19 +5,26 @@ tuple per step and builds nothing when nothing changed, so an idle step costs on
 attribute fetch per counter and a tuple comparison.
 :func:`write_stats_file` publishes cumulative counters under ``kvdi_stats_dir`` the way
 kvdi's stores write objects: owner-only, random ``O_EXCL|O_NOFOLLOW`` temp names, an
-atomic rename, no symlink followed in the directory. :class:`StatsFileWriter` rewrites it
-on each step whose counters moved, on the caller's thread, so the file is current when a process is killed
-without running its exit handlers (a writer thread lost the last counters under ``vllm serve``'s shutdown).
+atomic rename, no symlink followed in the directory. :class:`StatsFileWriter` keeps it current off the
+engine's thread: a step whose counters moved only sets an event; one writer thread (started on the first
+such step, so none exists while nothing moves and none at all without ``kvdi_stats_dir``) sleeps on that
+event, writes the counters as they are then (every step since its last write in one file), and waits at
+least :data:`MIN_WRITE_INTERVAL_S` before the next write: a live engine's file lags its counters by at most
+that plus one write. :meth:`StatsFileWriter.close` stops the thread and writes the final counters on the
+caller's thread: the connector calls it after kvdi's half drained its queued saves, so the final file counts
+them (and at interpreter exit, for an engine that exits without shutting kvdi down).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import json
 import logging
 import os
 import secrets
+import threading
 from collections.abc import Callable
 from operator import attrgetter
 from pathlib import Path
@@ -28,6 +35,7 @@ from kvdi.errors import ConfigError
 logger = logging.getLogger(f"vllm.{__name__}")  # vLLM configures only its own logger tree
 
 _FILE_MODE = 0o600
+MIN_WRITE_INTERVAL_S = 0.05  # the writer thread's rest between two writes: at most 20 files a second
 _DIR_MODE = 0o700
 
 
@@ -138,33 +146,67 @@ def write_stats_file(
 
 
 class StatsFileWriter:
-    """Keeps one stats file (:func:`write_stats_file`) current: :meth:`stale` (a step whose counters moved)
-    rewrites it before it returns; :meth:`close` writes the final counters once."""
+    """Keeps one stats file (:func:`write_stats_file`) current from a writer thread: :meth:`stale` (a step whose
+    counters moved) wakes it and returns at once; :meth:`close` stops it and writes the final counters once."""
 
     def __init__(
-        self, directory: str, engine_id: str, role: str, name: str, counters: Callable[[], dict[str, int | float]]
+        self,
+        directory: str,
+        engine_id: str,
+        role: str,
+        name: str,
+        counters: Callable[[], dict[str, int | float]],
+        min_interval_s: float = MIN_WRITE_INTERVAL_S,
     ) -> None:
         self._args = (directory, engine_id, role, name)
         self._counters = counters
+        self._min_interval_s = min_interval_s
         self._closed = False
         self._failed = False
+        self._moved = threading.Event()  # counters moved since the thread's last write
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.writes = 0  # files written (by the thread and by close)
 
     def stale(self) -> None:
-        """The counters moved: the file is rewritten now."""
-        if not self._closed:
+        """The counters moved: the writer thread rewrites the file soon (this returns at once)."""
+        if self._closed:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"kvdi-stats-{self._args[2]}", daemon=True)
+            self._thread.start()
+            atexit.register(self.close)  # an engine that exits without shutting kvdi down still writes the last
+        if not self._moved.is_set():  # already set: the thread writes these steps too (no lock taken)
+            self._moved.set()
+
+    def _run(self) -> None:
+        while True:
+            self._moved.wait()
+            if self._closing.is_set():
+                return
+            self._moved.clear()  # a step that moves the counters from here on is written next time
             self.write()
+            if self._closing.wait(self._min_interval_s):  # rest, coalescing the steps meanwhile; close wakes it
+                return
 
     def write(self) -> None:
         """Write the counters now (an error is logged once; the engine never fails on its stats file)."""
         try:
             write_stats_file(*self._args, self._counters())
+            self.writes += 1
         except (OSError, ConfigError) as exc:
             if not self._failed:
                 self._failed = True
                 logger.warning("kvdi: stats file not written under %s: %s", self._args[0], exc)
 
     def close(self) -> None:
-        """Write the final counters (once; later calls do nothing)."""
-        if not self._closed:
-            self._closed = True
-            self.write()
+        """Stop the writer thread, then write the final counters on this thread (once; later calls do nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closing.set()
+        self._moved.set()
+        if self._thread is not None:
+            self._thread.join()  # no write of the thread's lands after the final one
+            atexit.unregister(self.close)
+        self.write()
