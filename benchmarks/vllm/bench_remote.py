@@ -39,7 +39,6 @@ same prompt (exit 1 otherwise).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -50,6 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.vllm.bench_engine import finish
 from benchmarks.vllm.bench_remote_report import report, table
 from benchmarks.vllm.bench_remote_store import KEY_PREFIX, auto_pick, loaded_keys, raw_transfer
 from benchmarks.vllm.bench_vllm import add_engine_args, check_tokens, engine_setup, out_of_time, run_engine
@@ -325,13 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         doc = bench(args, work, server.url, proxy)
-    print(json.dumps(doc, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(doc, separators=(",", ":")) + "\n")  # compact: it may be committed
-    print(table(doc), file=sys.stderr)
-    for f in doc["failures"]:
-        print(f"FAILED engine {f['engine']}: {f['failed']} (log {f['log']})", file=sys.stderr)
-    return 0 if doc["tokens_identical"] and not doc["failures"] else 1
+    return finish(doc, args.out, table)
 
 
 if __name__ == "__main__":

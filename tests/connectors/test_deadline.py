@@ -113,7 +113,11 @@ def test_a_hit_is_offered_only_when_loading_it_beats_recomputing_it() -> None:
     rule.model.throughput.add(1e6)  # 1 MB/s
     assert rule.offer(100, 50_000)  # 51 ms <= 100 ms
     assert not rule.offer(100, 200_000) and rule.stats.deadline_refused == 1  # 201 ms > 100 ms
-    assert rule.deadline_s(100) == pytest.approx(0.1) and rule.deadline_s(1) == MIN_DEADLINE_S
+    rule.model.round_trip(0.01, replace=True)
+    assert rule.deadline_s(100) == pytest.approx(0.04)  # 4 round trips, sooner than the 100 ms budget
+    rule.model.round_trip(0.001, replace=True)
+    assert rule.deadline_s(100, 50_000) == pytest.approx(0.1)  # 4 x 51 ms: the budget is sooner
+    assert rule.deadline_s(100, 10_000) == pytest.approx(4 * 0.011) and rule.deadline_s(1) == MIN_DEADLINE_S
 
 
 def test_an_overrun_raises_the_round_trip_and_a_probe_brings_it_back() -> None:

@@ -20,8 +20,9 @@ bounds. :class:`DeadlineRule` applies the rule, with ``margin`` = ``scheduler.lo
   :data:`PROBE_INTERVAL_S`, its round trip replacing the estimate, so a store that recovers is used again;
 - a hit whose expected load (a round trip and its bytes at the throughput) costs more than ``margin`` x
   recomputing its tokens is not offered (``deadline_refused``);
-- a prefetch (or a background lookup) still running ``deadline_s`` (``margin`` x recomputing, at least
-  :data:`MIN_DEADLINE_S`) after it was asked for is abandoned: the request computes, the late bytes
+- a prefetch (or a background lookup) still running ``deadline_s`` after it was asked for is abandoned:
+  ``margin`` x recomputing, or :data:`OUTLIER` x what it was expected to take if that is sooner (a store
+  that turned slow costs a few expected round trips, not a recompute), at least :data:`MIN_DEADLINE_S`; the request computes, the late bytes
   land in host staging that is dropped, never in a KV block (``deadline_recomputes``), and the round
   trip estimate rises to at least the time it ran, so the next lookups are skipped until a probe is fast.
 
@@ -58,6 +59,9 @@ MAX_STEP_S = 30.0
 
 MIN_DEADLINE_S = 0.02
 """No prefetch or background lookup is abandoned sooner than this (it absorbs an engine step's granularity)."""
+
+OUTLIER = 4.0
+"""A prefetch or lookup taking this many times its expected time is abandoned even within its budget."""
 
 PROBE_INTERVAL_S = 2.0
 """While lookups are skipped, the store's round trip is probed in the background at most this often."""
@@ -219,10 +223,16 @@ class DeadlineRule:
                      self.name, hit_tokens, load * 1e3, budget * 1e3, self.model.describe())  # fmt: skip
         return False
 
-    def deadline_s(self, tokens: int) -> float:
-        """How long a prefetch or background lookup for ``tokens`` may run before it is abandoned (inf: off)."""
+    def deadline_s(self, tokens: int, nbytes: int | None = None) -> float:
+        """How long a background lookup (``nbytes`` None) or a prefetch of ``nbytes`` for ``tokens`` may run before
+        it is abandoned (inf: the rule is off or the prefill rate not measured)."""
         budget = self.budget_s(tokens) if self.enabled else None
-        return float("inf") if budget is None else max(budget, MIN_DEADLINE_S)
+        if budget is None:
+            return float("inf")
+        expected = self.model.rtt.value if nbytes is None else self.model.load_s(nbytes)
+        if expected is not None:
+            budget = min(budget, OUTLIER * expected)
+        return max(budget, MIN_DEADLINE_S)
 
     def overran(self, what: str, tokens: int, elapsed_s: float) -> None:
         """A prefetch or lookup ran past its deadline and was abandoned: counted, and the round trip is at least

@@ -142,7 +142,8 @@ class StoreSchedulerConnector(SchedulerConnector):
         n, load_async = looked
         if self.prefetch is not None and n:
             plan = self._plans[request.request_id]
-            keys, deadline_s = plan.keys[plan.load_start : plan.load_end], self.deadline.deadline_s(n)
+            keys = plan.keys[plan.load_start : plan.load_end]
+            deadline_s = self.deadline.deadline_s(n, len(keys) * self._block_bytes)
             if self.prefetch.start(request.request_id, plan.load_start, keys, deadline_s):
                 plan.load_start = plan.load_end = 0
                 return None, False
