@@ -59,6 +59,10 @@ def test_an_estimate_starts_at_its_first_sample_clamps_and_moves_by_alpha() -> N
     assert e.add(20.0) == 15.0
     assert e.add(1e9) == 57.5  # clamped to 100 first
     assert e.add(0.0, replace=True) == 1.0 and e.samples == 4
+    rtt = CostModel(Clock()).rtt
+    rtt.add(0.01)
+    assert rtt.add(0.11) == pytest.approx(0.07)  # slower: believed at once (0.6)
+    assert rtt.add(0.02) == pytest.approx(0.06)  # faster: slowly (0.2)
 
 
 def test_the_prefill_rate_comes_from_prefill_steps_only() -> None:

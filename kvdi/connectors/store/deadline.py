@@ -22,9 +22,12 @@ bounds. :class:`DeadlineRule` applies the rule, with ``margin`` = ``scheduler.lo
   recomputing its tokens is not offered (``deadline_refused``);
 - a prefetch (or a background lookup) still running ``deadline_s`` after it was asked for is abandoned:
   ``margin`` x recomputing, or :data:`OUTLIER` x what it was expected to take if that is sooner (a store
-  that turned slow costs a few expected round trips, not a recompute), at least :data:`MIN_DEADLINE_S`; the request computes, the late bytes
-  land in host staging that is dropped, never in a KV block (``deadline_recomputes``), and the round
-  trip estimate rises to at least the time it ran, so the next lookups are skipped until a probe is fast.
+  that turned slow costs a few expected round trips, not a recompute), at least :data:`MIN_DEADLINE_S`;
+  the request computes, the late bytes land in host staging that is dropped, never in a KV block
+  (``deadline_recomputes``), and the round trip estimate rises to at least the time it ran, so the next
+  lookups are skipped until a probe is fast.
+
+A round-trip sample above the estimate weighs :data:`ALPHA_UP` (a store that turns slow is believed at once).
 
 Every decision is logged at debug with the estimates it used; the counters are the scheduler half's
 (:class:`DeadlineStats`: the stats file, vLLM's log line and the Prometheus series ``vllm:kvdi_deadline_*``).
@@ -50,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 ALPHA = 0.2
 """Weight of a new sample in each running estimate."""
+
+ALPHA_UP = 0.6
+"""Weight of a round-trip sample above the estimate: a store that turns slow is believed at once, a fast one slowly."""
 
 MIN_STEP_TOKENS = 32
 """Engine steps that scheduled fewer tokens (decode steps) tell little of the prefill rate: not sampled."""
@@ -89,11 +95,13 @@ class DeadlineStats(ConnectorStats):
 
 @dataclass
 class Ewma:
-    """A running estimate: each sample clamped to ``[low, high]``, then weighted ``alpha`` (the first one whole)."""
+    """A running estimate: each sample clamped to ``[low, high]``, then weighted ``alpha`` (``up`` when above the
+    estimate; the first one whole)."""
 
     low: float
     high: float
     alpha: float = ALPHA
+    up: float | None = None
     value: float | None = None
     samples: int = 0
 
@@ -101,7 +109,8 @@ class Ewma:
         """Fold ``sample`` in (``replace``: the estimate becomes the sample); the new estimate."""
         clamped = min(max(float(sample), self.low), self.high)
         old = self.value
-        self.value = clamped if old is None or replace else old + self.alpha * (clamped - old)
+        alpha = self.up if self.up is not None and old is not None and clamped > old else self.alpha
+        self.value = clamped if old is None or replace else old + alpha * (clamped - old)
         self.samples += 1
         return self.value
 
@@ -111,7 +120,7 @@ class CostModel:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self.rtt = Ewma(*RTT_BOUNDS)
+        self.rtt = Ewma(*RTT_BOUNDS, up=ALPHA_UP)
         self.throughput = Ewma(*THROUGHPUT_BOUNDS)
         self.prefill = Ewma(*PREFILL_BOUNDS)
         self._step_at: float | None = None
