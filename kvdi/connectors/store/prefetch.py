@@ -60,7 +60,6 @@ class _Planned:
     nbytes: int
     ready: int | None = None  # leading objects staged, once reported
     started: float = field(default_factory=time.monotonic)
-    deadline_s: float = float("inf")  # abandoned when still running this long after it was asked for
 
 
 REPORT_GRACE_S = 1.0
@@ -111,21 +110,22 @@ class PrefetchPlanner:
             return -1
         return end
 
-    def past_deadline(self, request_id: str) -> float | None:
-        """Seconds the request's unreported prefetch has run, when past its deadline; None otherwise."""
+    def past_deadline(self, request_id: str, deadline_s: Callable[[int], float]) -> float | None:
+        """Seconds the request's unreported prefetch has run, when past ``deadline_s(blocks asked for)`` (asked now:
+        the estimates move while it runs); None otherwise."""
         planned = self._planned.get(request_id)
         if planned is None or planned.ready is not None:
             return None
         elapsed = self.clock() - planned.started
-        return elapsed if elapsed > planned.deadline_s else None
+        return elapsed if elapsed > deadline_s(len(planned.keys)) else None
 
-    def start(self, request_id: str, first: int, keys: Sequence[bytes], deadline_s: float = float("inf")) -> bool:
+    def start(self, request_id: str, first: int, keys: Sequence[bytes]) -> bool:
         """Plan the prefetch of a hit of ``keys`` from block ``first``; False past the bound (the plain path)."""
         nbytes = len(keys) * self.frame_bytes
         if not keys or self.reserved + nbytes > self.max_bytes or request_id in self._plain:
             self.fallbacks += 1
             return False
-        self._planned[request_id] = _Planned(first, tuple(keys), nbytes, started=self.clock(), deadline_s=deadline_s)
+        self._planned[request_id] = _Planned(first, tuple(keys), nbytes, started=self.clock())
         self.reserved += nbytes
         self._send.append(BlockTransfer(request_id, tuple(range(first, first + len(keys))), tuple(keys)))  # positions
         return True

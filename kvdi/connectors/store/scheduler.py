@@ -122,7 +122,7 @@ class StoreSchedulerConnector(SchedulerConnector):
             return 0, False  # its prefetch overran its deadline: it computes
         if self.prefetch is not None:
             first = num_computed_tokens // self._block_size
-            overran = self.prefetch.past_deadline(request.request_id)
+            overran = self.prefetch.past_deadline(request.request_id, self._prefetch_deadline)
             if overran is not None:
                 self.prefetch.release(request.request_id)  # the worker drops its staging: late bytes never land
                 self._recompute.add(request.request_id)
@@ -142,12 +142,14 @@ class StoreSchedulerConnector(SchedulerConnector):
         n, load_async = looked
         if self.prefetch is not None and n:
             plan = self._plans[request.request_id]
-            keys = plan.keys[plan.load_start : plan.load_end]
-            deadline_s = self.deadline.deadline_s(n, len(keys) * self._block_bytes)
-            if self.prefetch.start(request.request_id, plan.load_start, keys, deadline_s):
+            if self.prefetch.start(request.request_id, plan.load_start, plan.keys[plan.load_start : plan.load_end]):
                 plan.load_start = plan.load_end = 0
                 return None, False
         return n, load_async
+
+    def _prefetch_deadline(self, blocks: int) -> float:
+        """How long a prefetch of ``blocks`` may run (:meth:`~.deadline.DeadlineRule.deadline_s`, as of now)."""
+        return self.deadline.deadline_s(blocks * self._block_size, blocks * self._block_bytes)
 
     def _lookup(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool] | None:
         """The hit offered (tokens, asynchronously?), or None while a background lookup runs (ask again)."""
