@@ -42,9 +42,12 @@ class CountingStore(DictStore):
         super().__init__()
         self.lookups = 0
         self.gate: threading.Event | None = None
+        self.lookup_gate: threading.Event | None = None
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         self.lookups += 1
+        if self.lookup_gate is not None:
+            self.lookup_gate.wait(10)
         return super().count_prefix(keys)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | bytearray | memoryview | None]:
@@ -140,18 +143,27 @@ def test_an_overrun_raises_the_round_trip_and_a_probe_brings_it_back() -> None:
 
 def test_a_probe_runs_in_the_background_at_most_once_per_interval() -> None:
     store = CountingStore()
+    store.lookup_gate = threading.Event()  # the probe is in flight until set
     rule = DeadlineRule(store, "t", DeadlineStats(), enabled=True, clock=(clock := Clock()))
     rule.model.prefill.add(1000.0)
     rule.model.round_trip(1.0)
-    assert rule.skip_lookup(16) and rule.skip_lookup(16)
+    assert rule.skip_lookup(16) and rule.skip_lookup(16)  # one probe for two skips
+    store.lookup_gate.set()
     for _ in range(1000):
         if not rule._probing:
             break
         threading.Event().wait(0.01)
-    assert store.lookups == 1  # one probe for two skips
-    clock.now += PROBE_INTERVAL_S
+    assert store.lookups == 1 and not rule._probing
+    assert not rule.skip_lookup(16)  # the probe answered fast: the store is asked again
     rule.model.round_trip(1.0, replace=True)
+    assert rule.skip_lookup(16) and store.lookups == 1  # skipped again within the interval: no probe
+    clock.now += PROBE_INTERVAL_S
     assert rule.skip_lookup(16)
+    for _ in range(1000):
+        if store.lookups == 2 and not rule._probing:
+            break
+        threading.Event().wait(0.01)
+    assert store.lookups == 2
 
 
 def _consumer(store: DictStore, clock: Clock, **transfer: object) -> Engine:
@@ -259,6 +271,8 @@ def test_the_rule_is_off_unless_asked_for() -> None:
     assert settings.scheduler.load_deadline is False and settings.scheduler.load_deadline_margin == 1.0
     rule = Engine(DictStore(), LAYOUT, make_settings()).scheduler.deadline
     assert not rule.enabled
+    on = Engine(DictStore(), LAYOUT, make_settings(scheduler={"load_deadline_margin": 1.5, "load_deadline": True}))
+    assert on.scheduler.deadline.enabled and "margin=1.5" in on.scheduler.deadline.describe()
 
 
 def test_the_scheduler_halfs_counters_merge_with_a_plain_halfs_either_way() -> None:

@@ -202,6 +202,13 @@ class DeadlineRule:
             probes, self._probes = self._probes, 0
         self.stats.deadline_probes += probes
 
+    def describe(self) -> str:
+        """One line: the rule and its margin (the vLLM adapter logs it once at start)."""
+        return (
+            f"load deadline on (scheduler.load_deadline_margin={self.margin:g}): a hit loads only when expected to "
+            f"beat recompute; lookups and prefetches past their deadline are recomputed ({self.model.describe()})"
+        )
+
     def budget_s(self, tokens: int) -> float | None:
         """What recomputing ``tokens`` costs, times the margin; None until the prefill rate is measured."""
         recompute = self.model.recompute_s(tokens)
