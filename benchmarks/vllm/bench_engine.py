@@ -32,10 +32,25 @@ from __future__ import annotations
 
 import faulthandler
 import itertools
+import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+
+def finish(doc: dict[str, Any], out: Path | None, table: Callable[[dict[str, Any]], str], hide: str = "") -> int:
+    """A benchmark's tail: the JSON on stdout (less ``hide``), compact at ``out``, the table and failures on stderr;
+    the exit status (1 when tokens differ or an engine failed)."""
+    print(json.dumps({k: v for k, v in doc.items() if k != hide}, indent=1))
+    if out:
+        out.write_text(json.dumps(doc, separators=(",", ":")) + "\n")  # compact: it may be committed
+    print(table(doc), file=sys.stderr)
+    for f in doc["failures"]:
+        print(f"FAILED engine {f['engine']}: {f['failed']} (log {f['log']})", file=sys.stderr)
+    return 0 if doc["tokens_identical"] and not doc["failures"] else 1
 
 
 class Driver:

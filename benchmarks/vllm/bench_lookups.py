@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.vllm.bench_engine import finish
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 CONFIGS = ("local", "redis-sync", "redis-async")
@@ -234,13 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         doc = bench(args, work, server.url, proxy.url("redis"))
-    print(json.dumps({k: v for k, v in doc.items() if k != "runs"}, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
-    print(table(doc), file=sys.stderr)
-    for f in doc["failures"]:
-        print(f"FAILED engine {f['engine']}: {f['failed']} (log {f['log']})", file=sys.stderr)
-    return 0 if doc["tokens_identical"] and not doc["failures"] else 1
+    return finish(doc, args.out, table, hide="runs")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ Usage (the vLLM venv, from the repository root)::
 
     PYTHONPATH=$PWD .venv-vllm/bin/python -m benchmarks.vllm.bench_remote [--repeats 3] [--out r.json]
     PYTHONPATH=$PWD .venv-vllm/bin/python -m benchmarks.vllm.bench_remote --quick   # smoke run, ~5 min
+    PYTHONPATH=$PWD .venv-vllm/bin/python -m benchmarks.vllm.bench_remote --rows    # TTFT vs no connector per row
+
+``--rows``: the acceptance rows (0, 1, 5, 50 ms, 5 ms with heavy jitter, a stall mid-load) with the load
+deadline on and off against no connector (:mod:`.bench_remote_rows`); the rest of this text is the default run.
 
 Prints one JSON document on stdout (also written to ``--out``) and a human table on stderr
 with the remote-tier bars (a remote tier never costs a request more than 1.1x) next to their figures, met or not.
@@ -39,7 +43,6 @@ same prompt (exit 1 otherwise).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -50,7 +53,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.vllm.bench_engine import finish
 from benchmarks.vllm.bench_remote_report import report, table
+from benchmarks.vllm.bench_remote_rows import add_rows_args, bench_rows, rows_table
 from benchmarks.vllm.bench_remote_store import KEY_PREFIX, auto_pick, loaded_keys, raw_transfer
 from benchmarks.vllm.bench_vllm import add_engine_args, check_tokens, engine_setup, out_of_time, run_engine
 from tests.real_vllm.vllm_support import IN_PROCESS, kv_config, make_prompts, make_tiny_llama, read_stats
@@ -300,6 +305,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=768, help="prompt tokens")
     p.add_argument("--raw-tries", type=int, default=5, help="pipelined GETs per raw-transfer figure (median)")
     add_engine_args(p, max_minutes=30.0)
+    add_rows_args(p)
     args = p.parse_args(argv)
     if args.quick:
         args.repeats = 1 if "--repeats" not in (argv or sys.argv) else args.repeats
@@ -324,14 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     ):
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
+        if args.rows:
+            return finish(bench_rows(args, work, server, proxy), args.out, rows_table)
         doc = bench(args, work, server.url, proxy)
-    print(json.dumps(doc, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(doc, separators=(",", ":")) + "\n")  # compact: it may be committed
-    print(table(doc), file=sys.stderr)
-    for f in doc["failures"]:
-        print(f"FAILED engine {f['engine']}: {f['failed']} (log {f['log']})", file=sys.stderr)
-    return 0 if doc["tokens_identical"] and not doc["failures"] else 1
+    return finish(doc, args.out, table)
 
 
 if __name__ == "__main__":

@@ -133,12 +133,16 @@ class SchedulerSettings(_Section):
     step in one batched round trip; ``auto`` picks ``async`` for a store that says it is remote or
     whose lookup round trip measures 1 ms or more, ``sync`` otherwise. ``lookup_timeout_s``: a
     background lookup still unanswered after this long is a counted miss (the request computes).
+    ``load_deadline``: a lookup, a hit and a prefetch pass a cost model's rule (loading must be expected
+    to beat recomputing, ``load_deadline_margin`` x recompute time; :mod:`kvdi.connectors.store.deadline`).
     """
 
     max_num_batched_tokens: int = Field(2048, gt=0, le=1 << 24)
     max_num_seqs: int = Field(16, gt=0, le=1 << 16)
     lookup: Literal["auto", "sync", "async"] = "auto"
     lookup_timeout_s: float = duration_field(2.0, most=600)
+    load_deadline: bool = False
+    load_deadline_margin: float = Field(1.0, ge=0.1, le=10.0)
 
     @field_validator("lookup", mode="before")
     @classmethod

@@ -217,3 +217,22 @@ def test_a_corrupt_staged_block_under_fail_policy_fails_only_its_request(
     assert first["tokens"][1:] == slow_store["tokens"][1:4]
     assert read_stats(stats, "worker")["corrupt_dropped"] == 1
     assert read_stats(stats, "scheduler")["prefetch_reported"] == 4
+
+
+def test_a_stalled_store_past_the_load_deadline_is_recomputed_with_the_tokens_of_no_connector(
+    slow_store: dict[str, Any], base_spec: dict[str, Any], baseline_tokens: list[list[int]]
+) -> None:
+    """``scheduler.load_deadline`` on, a store whose reads stall (0.3 s each: far longer than recomputing 96
+    tokens): the module's prompts (misses) compute first, so the engine's prefill rate is measured; the 4 stored
+    hits' prefetches then run past their deadline, are abandoned and recomputed (counted), never waited for;
+    greedy tokens equal no connector's and no abandoned prefetch's bytes are loaded."""
+    spec = {**base_spec, "prompts": base_spec["prompts"] + MANY[:4]}
+    stats = slow_store["work"] / "stats-deadline"
+    kv = _slow_kv(slow_store["store"], stats, scheduler__load_deadline=True)
+    result = run_engine(slow_store["work"], "deadline", {**spec, "kv": kv}, env=IN_PROCESS)
+
+    assert result["rounds"][0]["tokens"] == baseline_tokens + slow_store["tokens"][:4]
+    scheduler, worker = read_stats(stats, "scheduler"), read_stats(stats, "worker")
+    recomputed = scheduler["deadline_recomputes"]
+    assert recomputed >= 1
+    assert worker["loaded_blocks"] == 3 * (4 - recomputed)  # an abandoned prefetch loads nothing

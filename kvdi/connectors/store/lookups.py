@@ -16,6 +16,10 @@ request for ``ttl_s`` (then the store is asked again); a lookup unanswered ``tim
 it was queued is a miss (the request computes; its result, if it ever comes, is dropped), as is
 one the store fails (raises, or answers junk). :meth:`drop` forgets a finished or aborted
 request's lookup at once. The answer's failure is counted by the caller, on its own thread.
+
+With ``scheduler.load_deadline`` (:mod:`.deadline`), each batch's round trip is handed to ``on_round_trip``, and
+:meth:`AsyncLookups.answer` takes a ``deadline_s``: a lookup unanswered past it is a miss at once (``overran``
+says how long it ran), never waited for until ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -59,6 +63,7 @@ class Lookup:
     answered: float = 0.0
     failure: str | None = None  # why the answer is a miss (the store failed, or the lookup timed out)
     counted: bool = False  # the failure was handed to the caller (counted once)
+    overran: float | None = None  # seconds it ran before its deadline abandoned it (a miss, not a failure)
 
 
 @dataclass
@@ -73,6 +78,7 @@ class LookupCounters:
     dropped: int = 0  # lookups of requests that ended first
     full: int = 0  # asks refused for room (max_entries running or queued): asked again
     expired: int = 0  # answers older than ttl_s, looked up again
+    overran: int = 0  # lookups unanswered past their deadline (scheduler.load_deadline): misses at once
 
 
 class AsyncLookups:
@@ -87,6 +93,7 @@ class AsyncLookups:
         timeout_s: float = 2.0,
         ttl_s: float = LOOKUP_TTL_S,
         max_entries: int = MAX_LOOKUP_ENTRIES,
+        on_round_trip: Callable[[float], None] | None = None,
     ) -> None:
         self.store = store
         self.name = name
@@ -95,6 +102,7 @@ class AsyncLookups:
         self.ttl_s = ttl_s
         self.max_entries = max(1, max_entries)
         self.batched = isinstance(store, BatchLookupStore)
+        self.on_round_trip = on_round_trip  # each answered batch's seconds (the deadline's cost model)
         self.counters = LookupCounters()
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
@@ -113,9 +121,12 @@ class AsyncLookups:
         with self._lock:
             return sum(e.answer is None for e in self._entries.values())
 
-    def answer(self, request_id: str, first: int, keys: Sequence[bytes]) -> Lookup | None:
+    def answer(
+        self, request_id: str, first: int, keys: Sequence[bytes], deadline_s: float = float("inf")
+    ) -> Lookup | None:
         """The answered lookup of ``keys`` (from block ``first``) for the request, fresh; else None ("ask again")
-        after queuing one (or while the queued one runs). A lookup past ``timeout_s`` answers as a miss."""
+        after queuing one (or while the queued one runs). A lookup past ``timeout_s`` answers as a miss, and so
+        does one past ``deadline_s`` (its ``overran`` set: the caller counts a deadline recompute)."""
         now = time.monotonic()
         with self._lock:
             entry = self._entries.get(request_id)
@@ -134,6 +145,10 @@ class AsyncLookups:
                 entry.answer, entry.answered, entry.failure = 0, now, f"no answer within {self.timeout_s}s"
                 entry.keys = ()
                 self.counters.timed_out += 1
+            elif entry.answer is None and now - entry.queued > deadline_s:
+                self._queue.pop(request_id, None)
+                entry.answer, entry.answered, entry.overran, entry.keys = 0, now, now - entry.queued, ()
+                self.counters.overran += 1
             if entry.answer is None:
                 return None
             self._entries.move_to_end(request_id)
@@ -196,7 +211,10 @@ class AsyncLookups:
                     self._running += 1
             if start_more and self._pool is not None:
                 self._pool.submit(self._run)
+            start = time.perf_counter()
             counts, failure = self._ask([e.keys for _, e in batch])
+            if failure is None and self.on_round_trip is not None:
+                self.on_round_trip(time.perf_counter() - start)
             now = time.monotonic()
             with self._done:
                 self.counters.batches += 1

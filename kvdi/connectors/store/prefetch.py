@@ -21,6 +21,11 @@ the objects staged before it (0: a miss, counted in ``load_failures``); a fetch 
 released (the thread, if the store hangs for good, ends with the store's own timeout, its
 result discarded), and the scheduler side gives a prefetch that was never reported one second
 more, then takes the plain path and releases its reservation.
+
+With ``scheduler.load_deadline`` (:mod:`.deadline`) a prefetch also has a deadline from the cost model
+(:meth:`PrefetchPlanner.past_deadline`): past it the scheduler half abandons it (the request computes) and
+releases it, so the worker drops its staging and a fetch that returns later stages nothing; each prefetch
+reported in time is handed to ``on_loaded`` (bytes, seconds) for the model's throughput.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -64,7 +69,16 @@ REPORT_GRACE_S = 1.0
 class PrefetchPlanner:
     """Scheduler side: which requests' hits are being prefetched, and the bytes reserved for them."""
 
-    def __init__(self, max_bytes: int, frame_bytes: int, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        frame_bytes: int,
+        timeout_s: float = 10.0,
+        on_loaded: Callable[[int, float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.on_loaded = on_loaded  # (bytes staged, seconds from asked to reported) per prefetch reported in time
+        self.clock = clock
         self.max_bytes = max_bytes
         self.frame_bytes = frame_bytes
         self.timeout_s = timeout_s
@@ -84,7 +98,7 @@ class PrefetchPlanner:
         if planned is None:
             return -1
         if planned.ready is None:
-            if time.monotonic() - planned.started <= self.timeout_s + REPORT_GRACE_S:
+            if self.clock() - planned.started <= self.timeout_s + REPORT_GRACE_S:
                 return ASK_AGAIN
             self.overdue += 1  # the report never came (a wedged worker): never wait for it forever
             self.release(request_id)
@@ -96,13 +110,22 @@ class PrefetchPlanner:
             return -1
         return end
 
+    def past_deadline(self, request_id: str, deadline_s: Callable[[int], float]) -> float | None:
+        """Seconds the request's unreported prefetch has run, when past ``deadline_s(blocks asked for)`` (asked now:
+        the estimates move while it runs); None otherwise."""
+        planned = self._planned.get(request_id)
+        if planned is None or planned.ready is not None:
+            return None
+        elapsed = self.clock() - planned.started
+        return elapsed if elapsed > deadline_s(len(planned.keys)) else None
+
     def start(self, request_id: str, first: int, keys: Sequence[bytes]) -> bool:
         """Plan the prefetch of a hit of ``keys`` from block ``first``; False past the bound (the plain path)."""
         nbytes = len(keys) * self.frame_bytes
         if not keys or self.reserved + nbytes > self.max_bytes or request_id in self._plain:
             self.fallbacks += 1
             return False
-        self._planned[request_id] = _Planned(first, tuple(keys), nbytes)
+        self._planned[request_id] = _Planned(first, tuple(keys), nbytes, started=self.clock())
         self.reserved += nbytes
         self._send.append(BlockTransfer(request_id, tuple(range(first, first + len(keys))), tuple(keys)))  # positions
         return True
@@ -127,6 +150,8 @@ class PrefetchPlanner:
             planned = self._planned.get(request_id)
             if planned is not None and planned.ready is None:
                 planned.ready = max(0, min(int(count), len(planned.keys)))
+                if planned.ready and self.on_loaded is not None:
+                    self.on_loaded(planned.ready * self.frame_bytes, self.clock() - planned.started)
 
     def take(self) -> tuple[tuple[BlockTransfer, ...], tuple[str, ...]]:
         """This step's prefetches to start and staging to drop (each sent once)."""

@@ -6,11 +6,13 @@ With ``transfer.async_load`` a load runs beside the compute: the answer is
 ``load_async=True`` and the load travels in ``async_loads`` with the blocks allocated for
 it. With ``transfer.async_save`` (or an asynchronous load) a finished request's blocks are
 held (``delay_free=True``) until the worker half reports it in ``get_finished``.
+With ``scheduler.load_deadline`` a lookup, a hit and a prefetch pass the cost model's rule first (:mod:`.deadline`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ from kvdi.connectors.base import (
     loadable_tokens,
 )
 from kvdi.connectors.logging_once import log_once
+from kvdi.connectors.store.deadline import DeadlineRule, DeadlineStats
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.keys import block_keys
 from kvdi.connectors.store.load_policy import ASYNC_LOAD_MIN_BYTES, AUTO_PREFETCH_LOOKUP_S, LoadPolicy
@@ -52,6 +55,7 @@ class StoreSchedulerConnector(SchedulerConnector):
     def __init__(self, context: ConnectorContext) -> None:
         super().__init__(context)
         self.store = require_store(context)
+        self.stats: DeadlineStats = DeadlineStats()  # with the load deadline's counters (:mod:`.deadline`)
         self._block_size = context.layout.block_size
         self._block_bytes = context.layout.block_bytes
         self._transfer = context.settings.transfer
@@ -62,6 +66,10 @@ class StoreSchedulerConnector(SchedulerConnector):
         self.prefetch: PrefetchPlanner | None = None  # set by a host that relays the worker's reports
         self._logged: set[str] = set()  # lookup failures: a warning per reason a minute (log_once)
         self.lookups: AsyncLookups | None = None  # background lookups, set by a host that asks again
+        scheduler = context.settings.scheduler
+        self.deadline = DeadlineRule(self.store, self.name, self.stats, enabled=scheduler.load_deadline,
+                                     margin=scheduler.load_deadline_margin)  # fmt: skip
+        self._recompute: set[str] = set()  # requests whose prefetch overran its deadline: they compute
 
     def enable_lookups(self, unavailable: str | None = None) -> bool:
         """Called once by a host that asks again after a ``None`` answer (the vLLM adapter), with why lookups cannot
@@ -69,7 +77,8 @@ class StoreSchedulerConnector(SchedulerConnector):
         ``scheduler.lookup`` and the load policy decide (:meth:`~.load_policy.LoadPolicy.decide_lookup`)."""
         scheduler = self.context.settings.scheduler
         if self.load_policy.decide_lookup(scheduler.lookup, unavailable) and self.lookups is None:
-            self.lookups = AsyncLookups(self.store, self.name, timeout_s=scheduler.lookup_timeout_s)
+            self.lookups = AsyncLookups(self.store, self.name, timeout_s=scheduler.lookup_timeout_s,
+                                        on_round_trip=self.deadline.model.round_trip)  # fmt: skip
         return self.lookups is not None
 
     def enable_prefetch(self, unavailable: str | None = None) -> bool:
@@ -77,8 +86,10 @@ class StoreSchedulerConnector(SchedulerConnector):
         run there (None: it can); True when lookups prefetch into host staging from now on, as the load policy
         decides (:meth:`~.load_policy.LoadPolicy.decide_prefetch`)."""
         if self.load_policy.decide_prefetch(unavailable) and self.prefetch is None:
+            frame, timeout = self._block_bytes + HEADER_SIZE, self._transfer.prefetch_timeout_s
+            model = self.deadline.model
             self.prefetch = PrefetchPlanner(
-                self._transfer.prefetch_max_bytes, self._block_bytes + HEADER_SIZE, self._transfer.prefetch_timeout_s
+                self._transfer.prefetch_max_bytes, frame, timeout, model.transfer, model.clock
             )
         return self.prefetch is not None
 
@@ -107,8 +118,16 @@ class StoreSchedulerConnector(SchedulerConnector):
         """Tokens to load beyond ``num_computed_tokens`` and whether the load is asynchronous; with prefetch,
         ``(None, False)`` (ask again) while the hit is fetched into host staging, then a synchronous load
         of exactly the blocks that arrived (no second lookup in the store)."""
+        if request.request_id in self._recompute:
+            return 0, False  # its prefetch overran its deadline: it computes
         if self.prefetch is not None:
             first = num_computed_tokens // self._block_size
+            overran = self.prefetch.past_deadline(request.request_id, self._prefetch_deadline)
+            if overran is not None:
+                self.prefetch.release(request.request_id)  # the worker drops its staging: late bytes never land
+                self._recompute.add(request.request_id)
+                self.deadline.overran("prefetch", len(request.prompt_token_ids) - num_computed_tokens, overran)
+                return 0, False
             ready = self.prefetch.ready(request.request_id, first)
             if ready is ASK_AGAIN:
                 return None, False  # "ask again": the request waits a step
@@ -128,6 +147,10 @@ class StoreSchedulerConnector(SchedulerConnector):
                 return None, False
         return n, load_async
 
+    def _prefetch_deadline(self, blocks: int) -> float:
+        """How long a prefetch of ``blocks`` may run (:meth:`~.deadline.DeadlineRule.deadline_s`, as of now)."""
+        return self.deadline.deadline_s(blocks * self._block_size, blocks * self._block_bytes)
+
     def _lookup(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, bool] | None:
         """The hit offered (tokens, asynchronously?), or None while a background lookup runs (ask again)."""
         plan = self._plan(request)
@@ -136,8 +159,11 @@ class StoreSchedulerConnector(SchedulerConnector):
         bs = self._block_size
         first = min(num_computed_tokens // bs, len(plan.keys))
         loadable = min(loadable_tokens(len(request.prompt_token_ids), bs) // bs, len(plan.keys))
+        uncached = len(request.prompt_token_ids) - num_computed_tokens
+        if first < loadable and plan.looked_up_at != first and self.deadline.skip_lookup(uncached):
+            return 0, False  # its round trip alone costs more than recomputing the request
         if first < loadable and plan.looked_up_at != first and self.lookups is not None:
-            held = self._answered(request.request_id, first, plan.keys[first:])
+            held = self._answered(request.request_id, first, plan.keys[first:], uncached)
             if held is None:
                 return None
             plan.stored, plan.looked_up_at = first + held, first
@@ -156,17 +182,23 @@ class StoreSchedulerConnector(SchedulerConnector):
         stored = min(plan.stored, loadable)
         if not self.context.settings.is_consumer or stored * bs <= num_computed_tokens:
             return 0, False
+        if not self.deadline.offer(stored * bs - num_computed_tokens, (stored - first) * self._block_bytes):
+            return 0, False  # loading it is expected to cost more than recomputing it
         self.stats.lookup_hit_blocks += stored - first
         plan.load_from_tokens, plan.load_start, plan.load_end = num_computed_tokens, first, stored
         plan.load_async = self.load_async(stored - first)
         return stored * bs - num_computed_tokens, plan.load_async
 
-    def _answered(self, request_id: str, first: int, keys: list[bytes]) -> int | None:
-        """The background lookup's leading held ``keys`` (a failed one a counted miss); None while it runs."""
+    def _answered(self, request_id: str, first: int, keys: list[bytes], uncached: int) -> int | None:
+        """The background lookup's leading held ``keys`` (a failed one a counted miss, one past its deadline a
+        counted deadline recompute); None while it runs."""
         assert self.lookups is not None
-        lookup = self.lookups.answer(request_id, first, keys)
+        lookup = self.lookups.answer(request_id, first, keys, self.deadline.deadline_s(uncached))
         if lookup is None:
             return None
+        if lookup.overran is not None and not lookup.counted:
+            lookup.counted = True
+            self.deadline.overran("lookup", uncached, lookup.overran)
         if lookup.failure is not None and not lookup.counted:
             lookup.counted = True
             self.stats.load_failures += 1
@@ -178,7 +210,9 @@ class StoreSchedulerConnector(SchedulerConnector):
     def _count_stored(self, keys: list[bytes]) -> int:
         """Leading ``keys`` the store holds; anything odd (an exception, a bad reply) is a counted miss."""
         try:
+            start = time.perf_counter()
             stored = self.store.count_prefix(keys)
+            self.deadline.model.round_trip(time.perf_counter() - start)
         except Exception as exc:  # anything a store raises is a miss
             self.stats.load_failures += 1
             log_once(logger, self._logged, f"lookup:{type(exc).__name__}",
@@ -241,6 +275,8 @@ class StoreSchedulerConnector(SchedulerConnector):
                     plan.held = plan.held or async_save
         for rid in output.finished_req_ids:
             self._plans.pop(rid, None)
+            self._recompute.discard(rid)
+        self.deadline.step(sum(s.num_scheduled_tokens for s in output.scheduled))  # the prefill rate's sample
         if self.lookups is not None:
             self.lookups.flush()  # the step's queued lookups, in one background round trip
         prefetches, drops = self.prefetch.take() if self.prefetch is not None else ((), ())
@@ -254,6 +290,7 @@ class StoreSchedulerConnector(SchedulerConnector):
     def request_finished(self, request: KVRequest, block_ids: Sequence[int]) -> tuple[bool, dict[str, object] | None]:
         """Hold the blocks (``delay_free``) when an asynchronous transfer of this request reached the worker."""
         self._async_loads.pop(request.request_id, None)  # planned, never sent: nothing to wait for
+        self._recompute.discard(request.request_id)
         if self.lookups is not None:
             self.lookups.drop(request.request_id)  # its lookup, queued, running or answered, is of no more use
         if self.prefetch is not None:

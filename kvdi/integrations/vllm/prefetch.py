@@ -57,6 +57,8 @@ def start_lookups(half: SchedulerConnector) -> bool:
     index = isinstance(half.store, BlockIndex)  # the scheduler's own key index: in memory, not thread-safe
     on = half.enable_lookups("the store is the scheduler's in-process key index" if index else None)
     logger.info("kvdi: %s", half.load_policy.describe_lookup())
+    if half.deadline.enabled:
+        logger.info("kvdi: %s", half.deadline.describe())
     return on
 
 

@@ -11,7 +11,8 @@ entry, :data:`PROM_KEY`, that keeps what Prometheus needs and the sum would lose
   of each step that moved any), concatenated across ranks;
 - ``g|<role>|<rank>|<gauge>|<label>``: gauges by rank, sent only when they change (bytes in
   flight; a Redis node's breaker: 1 open, 0 otherwise), so the observer keeps the last value
-  of each rank and sums them.
+  of each rank and sums them; with ``scheduler.load_deadline`` the scheduler's cost model estimates
+  (:mod:`kvdi.connectors.store.deadline`: round trip, load throughput, prefill rate) are gauges too.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvdi.connectors.base import StoreHalf, WorkerGauges
+from kvdi.connectors.store.deadline import DeadlineRule
 from kvdi.connectors.store.protocol import health_checks
 
 PROM_KEY = "kvdi/prom"
@@ -47,6 +49,8 @@ class FleetCounters:
         self._gauges: dict[str, float] = {}
         self._gauged = half if isinstance(half, WorkerGauges) else None
         self._health = health_checks(half.store) if isinstance(half, StoreHalf) else []
+        rule = getattr(half, "deadline", None)
+        self._deadline = rule if isinstance(rule, DeadlineRule) and rule.enabled else None
 
     def looked_up(self, prompt_tokens: int, num_computed_tokens: int, matched_tokens: int, block_size: int) -> None:
         """Count the blocks a lookup asked for and did not get (scheduler role)."""
@@ -78,6 +82,13 @@ class FleetCounters:
             staged = self._gauged.staged_bytes
             if staged is not None:
                 values["prefetch_staged_bytes|"] = float(staged)
+        if self._deadline is not None:
+            model = self._deadline.model
+            for gauge, value in (("deadline_rtt_seconds|", model.rtt.value),
+                                 ("deadline_load_bytes_per_second|", model.throughput.value),
+                                 ("deadline_prefill_tokens_per_second|", model.prefill.value)):  # fmt: skip
+                if value is not None:
+                    values[gauge] = float(value)
         for node, is_open in breaker_states(self._health).items():
             values[f"breaker_open|{node}"] = 1.0 if is_open else 0.0
         return values

@@ -48,6 +48,16 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:kvdi_evicted_blocks",
         "Objects kvdi's stores evicted (LRU or size cap; one per rank slice).",
     ),
+    "lookups_skipped": (
+        "vllm:kvdi_deadline_lookups_skipped",
+        "Lookups not made: their round trip costs more than recompute.",
+    ),
+    "deadline_refused": ("vllm:kvdi_deadline_refused", "Hits not offered: loading them costs more than recompute."),
+    "deadline_recomputes": ("vllm:kvdi_deadline_recomputes", "Prefetches or lookups past their deadline, recomputed."),
+    "deadline_probes": (
+        "vllm:kvdi_deadline_probes",
+        "Background round-trip probes of a store whose lookups are skipped.",
+    ),
 }
 HISTOGRAMS: dict[str, tuple[str, str]] = {
     "load_seconds": ("vllm:kvdi_load_seconds", "Seconds kvdi spent loading in one engine step (steps that loaded)."),
@@ -64,6 +74,17 @@ GAUGES: dict[str, tuple[str, str, list[str]]] = {
         "vllm:kvdi_redis_breaker_open",
         "Ranks whose circuit breaker for this Redis node is open.",
         ["node"],
+    ),
+    "deadline_rtt_seconds": ("vllm:kvdi_deadline_rtt_seconds", "The store's estimated lookup round trip.", []),
+    "deadline_load_bytes_per_second": (
+        "vllm:kvdi_deadline_load_bytes_per_second",
+        "The store's estimated load throughput (prefetches).",
+        [],
+    ),
+    "deadline_prefill_tokens_per_second": (
+        "vllm:kvdi_deadline_prefill_tokens_per_second",
+        "The engine's estimated prefill rate (kvdi's step timings).",
+        [],
     ),
     "store_bytes": (
         "vllm:kvdi_store_bytes",

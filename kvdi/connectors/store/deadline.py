@@ -1,0 +1,294 @@
+"""A load deadline from a live cost model: a hit is offered only when loading it is expected to beat recomputing it.
+
+With ``scheduler.load_deadline`` on, each store scheduler half keeps a :class:`CostModel` of its
+store and its engine, from kvdi's own measurements:
+
+- the store's lookup **round trip** (seconds): every lookup kvdi makes (a batched background one
+  or one inside the step), and a rare background probe while lookups are skipped;
+- the store's **load throughput** (bytes/s): every prefetch at lookup, from the step it was asked
+  for to the step its report arrived, less a round trip (what a request waiting for it spends);
+- the engine's **prefill rate** (tokens/s): the tokens each engine step scheduled over the time
+  to the next step (:meth:`CostModel.step`, the scheduler half's ``build_connector_meta``), taken
+  from steps of at least :data:`MIN_STEP_TOKENS`. Until it is measured the rule refuses nothing.
+
+Each estimate is an exponentially weighted moving average (:class:`Ewma`), each sample clamped to
+bounds. :class:`DeadlineRule` applies the rule, with ``margin`` = ``scheduler.load_deadline_margin``:
+
+- a lookup whose expected round trip alone costs more than ``margin`` x recomputing the request's
+  uncached prompt is not made: the answer is 0 at once (``lookups_skipped``); while lookups are
+  skipped a probe (one lookup of a key no store holds) runs in the background at most every
+  :data:`PROBE_INTERVAL_S`, its round trip replacing the estimate, so a store that recovers is used again;
+- a hit whose expected load (a round trip and its bytes at the throughput) costs more than ``margin`` x
+  recomputing its tokens is not offered (``deadline_refused``);
+- a prefetch (or a background lookup) still running ``deadline_s`` after it was asked for is abandoned:
+  ``margin`` x recomputing, or :data:`OUTLIER` x what it was expected to take if that is sooner (a store
+  that turned slow costs a few expected round trips, not a recompute), at least :data:`MIN_DEADLINE_S`;
+  the request computes, the late bytes land in host staging that is dropped, never in a KV block
+  (``deadline_recomputes``), and the round trip estimate rises to at least the time it ran, so the next
+  lookups are skipped until a probe is fast.
+
+A round-trip sample above the estimate weighs :data:`ALPHA_UP` (a store that turns slow is believed at once).
+
+Every decision is logged at debug with the estimates it used; the counters are the scheduler half's
+(:class:`DeadlineStats`: the stats file, vLLM's log line and the Prometheus series ``vllm:kvdi_deadline_*``).
+The background lookups and the probe fold their round trips in from their own threads (a sample lost to a
+race is harmless); the counters move on the scheduler's thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvdi.connectors.base import ConnectorStats
+from kvdi.connectors.store.keys import KEY_BYTES
+from kvdi.connectors.store.protocol import BlockStore
+
+logger = logging.getLogger(__name__)
+
+ALPHA = 0.2
+"""Weight of a new sample in each running estimate."""
+
+ALPHA_UP = 0.6
+"""Weight of a round-trip sample above the estimate: a store that turns slow is believed at once, a fast one slowly."""
+
+MIN_STEP_TOKENS = 32
+"""Engine steps that scheduled fewer tokens (decode steps) tell little of the prefill rate: not sampled."""
+
+MAX_STEP_S = 30.0
+"""A gap between steps longer than this is an idle engine, not a step: not sampled."""
+
+MIN_DEADLINE_S = 0.02
+"""No prefetch or background lookup is abandoned sooner than this (it absorbs an engine step's granularity)."""
+
+OUTLIER = 4.0
+"""A prefetch or lookup taking this many times its expected time is abandoned even within its budget."""
+
+PROBE_INTERVAL_S = 2.0
+"""While lookups are skipped, the store's round trip is probed in the background at most this often."""
+
+RTT_BOUNDS = (1e-6, 600.0)
+THROUGHPUT_BOUNDS = (1e3, 1e12)
+PREFILL_BOUNDS = (10.0, 1e8)
+
+
+@dataclass
+class DeadlineStats(ConnectorStats):
+    """A store scheduler half's counters, with the rule's decisions (0 while ``scheduler.load_deadline`` is off)."""
+
+    lookups_skipped: int = 0  # lookups not made: their round trip costs more than recomputing the request
+    deadline_refused: int = 0  # hits not offered: loading them costs more than recomputing them
+    deadline_recomputes: int = 0  # prefetches or background lookups past their deadline: abandoned, recomputed
+    deadline_probes: int = 0  # background round-trip probes of a store whose lookups are skipped
+
+    def merge(self, other: ConnectorStats) -> DeadlineStats:
+        """A new object with each counter summed (``other`` may be a plain :class:`ConnectorStats`)."""
+        mine, theirs = self.as_dict(), other.as_dict()
+        values: dict[str, Any] = {k: mine[k] + theirs.get(k, 0) for k in mine}
+        return DeadlineStats(**values)
+
+
+@dataclass
+class Ewma:
+    """A running estimate: each sample clamped to ``[low, high]``, then weighted ``alpha`` (``up`` when above the
+    estimate; the first one whole)."""
+
+    low: float
+    high: float
+    alpha: float = ALPHA
+    up: float | None = None
+    value: float | None = None
+    samples: int = 0
+
+    def add(self, sample: float, replace: bool = False) -> float:
+        """Fold ``sample`` in (``replace``: the estimate becomes the sample); the new estimate."""
+        clamped = min(max(float(sample), self.low), self.high)
+        old = self.value
+        alpha = self.up if self.up is not None and old is not None and clamped > old else self.alpha
+        self.value = clamped if old is None or replace else old + alpha * (clamped - old)
+        self.samples += 1
+        return self.value
+
+
+class CostModel:
+    """One store's round trip and throughput, and its engine's prefill rate, from kvdi's own measurements."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.rtt = Ewma(*RTT_BOUNDS, up=ALPHA_UP)
+        self.throughput = Ewma(*THROUGHPUT_BOUNDS)
+        self.prefill = Ewma(*PREFILL_BOUNDS)
+        self._step_at: float | None = None
+        self._step_tokens = 0
+
+    def round_trip(self, seconds: float, replace: bool = False) -> None:
+        self.rtt.add(seconds, replace)
+
+    def at_least(self, seconds: float) -> None:
+        """A call ran ``seconds`` and had not answered: the round trip is at least that."""
+        if self.rtt.value is None or self.rtt.value < seconds:
+            self.rtt.add(seconds, replace=True)
+
+    def transfer(self, nbytes: int, seconds: float) -> None:
+        """A load of ``nbytes`` took ``seconds`` as a waiting request saw it (its round trip included)."""
+        if nbytes > 0 and seconds > 0:
+            self.throughput.add(nbytes / max(seconds - (self.rtt.value or 0.0), seconds / 10))
+
+    def step(self, tokens: int) -> None:
+        """An engine step scheduled ``tokens`` now: the previous step's tokens over the time since it, a sample."""
+        now = self.clock()
+        if self._step_at is not None and self._step_tokens >= MIN_STEP_TOKENS and 0 < now - self._step_at <= MAX_STEP_S:
+            self.prefill.add(self._step_tokens / (now - self._step_at))
+        self._step_at, self._step_tokens = now, tokens
+
+    def recompute_s(self, tokens: int) -> float | None:
+        """Seconds to recompute ``tokens`` at the measured prefill rate; None until it is measured."""
+        rate = self.prefill.value
+        return None if rate is None else max(tokens, 0) / rate
+
+    def load_s(self, nbytes: int) -> float | None:
+        """Seconds to load ``nbytes``: a round trip and the bytes at the throughput; None until both are measured."""
+        if self.rtt.value is None or self.throughput.value is None:
+            return None
+        return self.rtt.value + nbytes / self.throughput.value
+
+    def describe(self) -> str:
+        def show(v: float | None, scale: float, unit: str) -> str:
+            return "?" if v is None else f"{v * scale:.3g} {unit}"
+
+        return (
+            f"round trip {show(self.rtt.value, 1e3, 'ms')}, throughput {show(self.throughput.value, 1e-6, 'MB/s')}, "
+            f"prefill {show(self.prefill.value, 1, 'tokens/s')}"
+        )
+
+
+class DeadlineRule:
+    """The rule over one store's :class:`CostModel`; counts its decisions in ``stats`` (the scheduler half's)."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        name: str,
+        stats: DeadlineStats,
+        *,
+        enabled: bool,
+        margin: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.name = name
+        self.stats = stats
+        self.enabled = enabled
+        self.margin = margin
+        self.model = CostModel(clock)
+        self._probe_at = -PROBE_INTERVAL_S
+        self._probing = False
+        self._probes = 0  # probes answered, counted into ``stats`` on the scheduler's thread (:meth:`step`)
+        self._lock = threading.Lock()
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.model.clock
+
+    def step(self, tokens: int) -> None:
+        """An engine step scheduled ``tokens`` (the prefill rate's sample); probes answered since are counted."""
+        self.model.step(tokens)
+        with self._lock:
+            probes, self._probes = self._probes, 0
+        self.stats.deadline_probes += probes
+
+    def describe(self) -> str:
+        """One line: the rule and its margin (the vLLM adapter logs it once at start)."""
+        return (
+            f"load deadline on (scheduler.load_deadline_margin={self.margin:g}): a hit loads only when expected to "
+            f"beat recompute; lookups and prefetches past their deadline are recomputed ({self.model.describe()})"
+        )
+
+    def budget_s(self, tokens: int) -> float | None:
+        """What recomputing ``tokens`` costs, times the margin; None until the prefill rate is measured."""
+        recompute = self.model.recompute_s(tokens)
+        return None if recompute is None else self.margin * recompute
+
+    def skip_lookup(self, uncached_tokens: int) -> bool:
+        """True when a lookup's expected round trip alone costs more than recomputing ``uncached_tokens`` (counted,
+        and a background probe of the round trip is started when one is due)."""
+        budget = self.budget_s(uncached_tokens) if self.enabled else None
+        rtt = self.model.rtt.value
+        if budget is None or rtt is None or rtt <= budget:
+            return False
+        self.stats.lookups_skipped += 1
+        logger.debug("kv connector %r: lookup skipped, %d tokens recompute: round trip %.2f ms > budget %.2f ms (%s)",
+                     self.name, uncached_tokens, rtt * 1e3, budget * 1e3, self.model.describe())  # fmt: skip
+        self._maybe_probe()
+        return True
+
+    def offer(self, hit_tokens: int, hit_bytes: int) -> bool:
+        """False (counted) when loading a hit of ``hit_tokens`` (``hit_bytes``) is expected to cost more than
+        recomputing it; True otherwise, and while the estimates are not measured."""
+        budget = self.budget_s(hit_tokens) if self.enabled else None
+        load = self.model.load_s(hit_bytes)
+        if budget is None or load is None or load <= budget:
+            return True
+        self.stats.deadline_refused += 1
+        logger.debug("kv connector %r: hit of %d tokens not offered: load %.2f ms > budget %.2f ms (%s)",
+                     self.name, hit_tokens, load * 1e3, budget * 1e3, self.model.describe())  # fmt: skip
+        return False
+
+    def deadline_s(self, tokens: int, nbytes: int | None = None) -> float:
+        """How long a background lookup (``nbytes`` None) or a prefetch of ``nbytes`` for ``tokens`` may run before
+        it is abandoned (inf: the rule is off or the prefill rate not measured)."""
+        budget = self.budget_s(tokens) if self.enabled else None
+        if budget is None:
+            return float("inf")
+        expected = self.model.rtt.value if nbytes is None else self.model.load_s(nbytes)
+        if expected is not None:
+            budget = min(budget, OUTLIER * expected)
+        return max(budget, MIN_DEADLINE_S)
+
+    def overran(self, what: str, tokens: int, elapsed_s: float) -> None:
+        """A prefetch or lookup ran past its deadline and was abandoned: counted, and the round trip is at least
+        ``elapsed_s`` (the next lookups are skipped until a probe is fast)."""
+        self.stats.deadline_recomputes += 1
+        self.model.at_least(elapsed_s)
+        logger.debug("kv connector %r: %s for %d tokens abandoned after %.2f ms, recomputing (%s)", self.name, what,
+                     tokens, elapsed_s * 1e3, self.model.describe())  # fmt: skip
+
+    def _maybe_probe(self) -> None:
+        now = self.clock()
+        with self._lock:
+            if self._probing or now - self._probe_at < PROBE_INTERVAL_S:
+                return
+            self._probing, self._probe_at = True, now
+        threading.Thread(target=self.probe, name=f"kvdi-{self.name}-probe", daemon=True).start()
+
+    def probe(self) -> float | None:
+        """One lookup of a key no store holds; its round trip replaces the estimate (None: the store failed)."""
+        try:
+            start = time.perf_counter()
+            self.store.count_prefix([os.urandom(KEY_BYTES)])
+            seconds: float | None = time.perf_counter() - start
+        except Exception:  # a store that cannot answer stays skipped until a probe succeeds
+            seconds = None
+        with self._lock:
+            self._probing = False
+            if seconds is not None:
+                self.model.round_trip(seconds, replace=True)
+                self._probes += 1
+        logger.debug("kv connector %r: round trip probe: %s", self.name, self.model.describe())
+        return seconds
+
+
+__all__ = [
+    "MIN_DEADLINE_S",
+    "MIN_STEP_TOKENS",
+    "PROBE_INTERVAL_S",
+    "CostModel",
+    "DeadlineRule",
+    "DeadlineStats",
+    "Ewma",
+]
