@@ -239,3 +239,25 @@ def test_lookahead_token_ids_are_filled_when_vllms_block_stored_has_the_field() 
     assert Decoder(type=BlockStored033).decode(Encoder().encode(event)).lookahead_token_ids == [[5]]
     plain = stored_event(BlockFacts(b"h" * 32, None, (1, 2, 3, 4), None, None), "STORAGE", "REMOTE", BS, (None, None))
     assert Decoder(type=BlockStored).decode(Encoder().encode(plain)).token_ids == [1, 2, 3, 4]
+
+
+def test_engines_with_the_same_number_of_resets_never_share_what_they_stored_after_it(
+    tmp_path: Path, indexers: list[Indexer]
+) -> None:
+    """After ``reset_cache`` an engine's keys carry a nonce of its own, not just the count: two engines that reset
+    once each (one may have new weights, the other not) load nothing of each other's later blocks; an engine still
+    loads its own; what was stored before the reset is offered to neither."""
+    first, second = Indexer(), Indexer()
+    indexers.extend((first, second))
+    one = FleetEngine(FileBlockStore(tmp_path / "kv"), first.endpoint, "pod-1", None)
+    two = FleetEngine(FileBlockStore(tmp_path / "kv"), second.endpoint, "pod-2", None)
+    try:
+        assert one.serve(vllm_request("a", PROMPT))[0] == 0
+        assert two.serve(vllm_request("b", PROMPT))[0] == 16  # before any reset the two engines share
+        assert one.fleet.reset_cache() and two.fleet.reset_cache()
+        assert one.serve(vllm_request("c", PROMPT))[0] == 0  # the reset: nothing stored before it is offered
+        assert two.serve(vllm_request("d", PROMPT))[0] == 0  # same count of resets, not engine 1's blocks
+        assert one.serve(vllm_request("e", PROMPT))[0] == 16  # an engine shares with itself after its reset
+    finally:
+        one.close()
+        two.close()

@@ -38,8 +38,9 @@ as a ``BlockStored`` there too, with its tokens: an indexer that restarted, or t
 engines that never computed the block, still keys it. Local tiers keep this engine's identity.
 
 **reset_cache**: this engine stops being offered anything stored before the reset, and
-nothing is deleted: its keys are salted with the number of resets from then on (others'
-blocks stay others'; engines that reset together, as after one weight update, share again).
+nothing is deleted: its keys are salted with the number of resets and a nonce of this engine from
+then on (others' blocks stay others'; engines that reset share nothing new with each other until they
+restart, since the same count of resets does not mean the same weights).
 
 **Hit sources**: ``get_external_cache_hit_sources`` splits a hit by the kind of tier that
 serves it (a store's ``hit_source``: ``host``, ``disk``, ``p2p``; a remote store counts as
@@ -48,6 +49,7 @@ vLLM's ``external_unspecified``); for ``multi``, by the tier that holds each blo
 
 from __future__ import annotations
 
+import secrets
 from collections import OrderedDict, deque
 from dataclasses import replace
 from typing import Any
@@ -158,6 +160,7 @@ class SchedulerFleet:
         self.counters = FleetCounters("scheduler", f"{shape.tp_rank}-{shape.pp_rank}", half)
         self._out: list[KVCacheEvent] = []
         self._resets = 0
+        self._reset_salt = ""  # after a reset: its count and a nonce of this engine (see reset_cache)
         self._vllm_requests: dict[str, Any] = {}
         self._salted: dict[str, KVRequest] = {}
         self._lookups: dict[str, tuple[int, KVRequest]] = {}  # request id -> (computed tokens, kvdi's request)
@@ -170,7 +173,7 @@ class SchedulerFleet:
         self._hit_source = half.hit_source if isinstance(half, DeclaresHitSource) else None
 
     def request(self, request: Any) -> KVRequest:
-        """kvdi's view of vLLM's ``request``, salted with the reset count after a ``reset_cache``."""
+        """kvdi's view of vLLM's ``request``, salted with the reset count and nonce after a ``reset_cache``."""
         req = self.tracker.request(request)
         if self.events_on:
             self._vllm_requests[req.request_id] = request
@@ -178,7 +181,7 @@ class SchedulerFleet:
             return req
         salted = self._salted.get(req.request_id)
         if salted is None:
-            salt = f"{req.cache_salt or ''}|kvdi-reset:{self._resets}"
+            salt = f"{req.cache_salt or ''}|kvdi-reset:{self._reset_salt}"
             salted = self._salted[req.request_id] = replace(req, cache_salt=salt)
             self.tracker.remember(salted)
         return salted
@@ -290,6 +293,10 @@ class SchedulerFleet:
     def reset_cache(self) -> bool:
         """vLLM's hook (``reset_prefix_cache(reset_connector=True)``): stop offering what was stored before it."""
         self._resets += 1
+        # A nonce, not only the count: two engines with the same number of resets may serve different weights
+        # (one slept with its weights unchanged, the other reset after an update), so after a reset an engine
+        # shares its new blocks with nobody but itself until it restarts. Costs hits, never loads foreign KV.
+        self._reset_salt = f"{self._resets}:{secrets.token_hex(8)}"
         self._salted.clear()
         self._ledger.clear()
         by_medium: dict[tuple[str, str | None], list[Any]] = {}
