@@ -14,10 +14,11 @@ store and its engine, from kvdi's own measurements:
 Each estimate is an exponentially weighted moving average (:class:`Ewma`), each sample clamped to
 bounds. :class:`DeadlineRule` applies the rule, with ``margin`` = ``scheduler.load_deadline_margin``:
 
-- a lookup whose expected round trip alone costs more than ``margin`` x recomputing the request's
-  uncached prompt is not made: the answer is 0 at once (``lookups_skipped``); while lookups are
-  skipped a probe (one lookup of a key no store holds) runs in the background at most every
-  :data:`PROBE_INTERVAL_S`, its round trip replacing the estimate, so a store that recovers is used again;
+- a lookup whose expected round trip, plus the expected load of a whole hit (once the throughput is measured),
+  costs more than ``margin`` x recomputing the request's uncached prompt is not made: the answer is 0 at once
+  (``lookups_skipped``); while lookups are skipped a probe (one lookup of a key no store holds) runs in the
+  background at most every :data:`PROBE_INTERVAL_S`, its round trip replacing the estimate, so a store that
+  recovers is used again;
 - a hit whose expected load (a round trip and its bytes at the throughput) costs more than ``margin`` x
   recomputing its tokens is not offered (``deadline_refused``);
 - a prefetch (or a background lookup) still running ``deadline_s`` after it was asked for is abandoned:
@@ -244,16 +245,20 @@ class DeadlineRule:
         recompute = self.model.recompute_s(tokens)
         return None if recompute is None else self.margin * recompute
 
-    def skip_lookup(self, uncached_tokens: int) -> bool:
-        """True when a lookup's expected round trip alone costs more than recomputing ``uncached_tokens`` (counted,
-        and a background probe of the round trip is started when one is due)."""
+    def skip_lookup(self, uncached_tokens: int, loadable_bytes: int = 0) -> bool:
+        """True when a lookup's expected round trip, plus the expected load of its best hit (``loadable_bytes``, once
+        the throughput is measured), costs more than recomputing ``uncached_tokens``: even a whole hit cannot pay
+        off (counted, and a background probe of the round trip is started when one is due)."""
         budget = self.budget_s(uncached_tokens) if self.enabled else None
         rtt = self.model.rtt.value
-        if budget is None or rtt is None or rtt <= budget:
+        load = self.model.load_s(loadable_bytes) if loadable_bytes > 0 else None
+        expected = None if rtt is None else rtt + (load or 0.0)
+        if budget is None or expected is None or expected <= budget:
             return False
         self.stats.lookups_skipped += 1
-        logger.debug("kv connector %r: lookup skipped, %d tokens recompute: round trip %.2f ms > budget %.2f ms (%s)",
-                     self.name, uncached_tokens, rtt * 1e3, budget * 1e3, self.model.describe())  # fmt: skip
+        logger.debug("kv connector %r: lookup skipped, %d tokens recompute: round trip and best load %.2f ms > budget "
+                     "%.2f ms (%s)", self.name, uncached_tokens, expected * 1e3, budget * 1e3,
+                     self.model.describe())  # fmt: skip
         self._maybe_probe()
         return True
 

@@ -159,8 +159,9 @@ class StoreSchedulerConnector(SchedulerConnector):
         first = min(num_computed_tokens // bs, len(plan.keys))
         loadable = min(loadable_tokens(len(request.prompt_token_ids), bs) // bs, len(plan.keys))
         uncached = len(request.prompt_token_ids) - num_computed_tokens
-        if first < loadable and plan.looked_up_at != first and self.deadline.skip_lookup(uncached):
-            return 0, False  # its round trip alone costs more than recomputing the request
+        best = (loadable - first) * self._block_bytes  # the bytes of a whole hit: the best a lookup can find
+        if first < loadable and plan.looked_up_at != first and self.deadline.skip_lookup(uncached, best):
+            return 0, False  # its round trip and even a whole hit's load cost more than recomputing the request
         if first < loadable and plan.looked_up_at != first and self.lookups is not None:
             held = self._answered(request.request_id, first, plan.keys[first:], uncached)
             if held is None:
