@@ -14,10 +14,11 @@ store and its engine, from kvdi's own measurements:
 Each estimate is an exponentially weighted moving average (:class:`Ewma`), each sample clamped to
 bounds. :class:`DeadlineRule` applies the rule, with ``margin`` = ``scheduler.load_deadline_margin``:
 
-- a lookup whose expected round trip alone costs more than ``margin`` x recomputing the request's
-  uncached prompt is not made: the answer is 0 at once (``lookups_skipped``); while lookups are
-  skipped a probe (one lookup of a key no store holds) runs in the background at most every
-  :data:`PROBE_INTERVAL_S`, its round trip replacing the estimate, so a store that recovers is used again;
+- a lookup whose expected round trip, plus the expected load of a whole hit (once the throughput is measured),
+  costs more than ``margin`` x recomputing the request's uncached prompt is not made: the answer is 0 at once
+  (``lookups_skipped``); while lookups are skipped a probe (one lookup of a key no store holds) runs in the
+  background at most every :data:`PROBE_INTERVAL_S`, its round trip replacing the estimate, so a store that
+  recovers is used again;
 - a hit whose expected load (a round trip and its bytes at the throughput) costs more than ``margin`` x
   recomputing its tokens is not offered (``deadline_refused``);
 - a prefetch (or a background lookup) still running ``deadline_s`` after it was asked for is abandoned:
@@ -28,6 +29,16 @@ bounds. :class:`DeadlineRule` applies the rule, with ``margin`` = ``scheduler.lo
   lookups are skipped until a probe is fast.
 
 A round-trip sample above the estimate weighs :data:`ALPHA_UP` (a store that turns slow is believed at once).
+
+Cold start and idle engines: :meth:`DeadlineRule.start` (the scheduler half, once its lookups run in the background:
+a remote store) starts a background thread that probes the store at once and again whenever no round trip was
+sampled for :data:`REFRESH_S` (the same probe, never on the scheduler's thread), so the first requests of an engine,
+or the first after an idle spell in which the store turned slow, are judged on a fresh round trip instead of
+paying for an overrun to learn it. Under traffic the lookups themselves are the samples and it stays quiet.
+
+A stalled store: once a wait overran (:meth:`DeadlineRule.overran`) and until the store answers anything again (a
+lookup, a prefetch's report, a probe), the store is *suspect*: every other lookup or prefetch still waiting on it
+is abandoned at its next ask (its deadline is 0), not each after its own deadline.
 
 Every decision is logged at debug with the estimates it used; the counters are the scheduler half's
 (:class:`DeadlineStats`: the stats file, vLLM's log line and the Prometheus series ``vllm:kvdi_deadline_*``).
@@ -71,6 +82,10 @@ OUTLIER = 4.0
 
 PROBE_INTERVAL_S = 2.0
 """While lookups are skipped, the store's round trip is probed in the background at most this often."""
+
+REFRESH_S = 0.5
+"""With the background prober started (:meth:`DeadlineRule.start`), the store is probed when no round trip was
+sampled for this long (an idle engine's estimate stays fresh: one cheap lookup of a missing key per interval)."""
 
 RTT_BOUNDS = (1e-6, 600.0)
 THROUGHPUT_BOUNDS = (1e3, 1e12)
@@ -190,6 +205,9 @@ class DeadlineRule:
         self._probing = False
         self._probes = 0  # probes answered, counted into ``stats`` on the scheduler's thread (:meth:`step`)
         self._lock = threading.Lock()
+        self._sampled_at = float("-inf")  # when the store last answered (a round trip or a load sampled)
+        self.suspect = False  # a wait overran and the store has not answered since: in-flight waits are abandoned
+        self._stop: threading.Event | None = None  # set to stop the background prober (:meth:`start`)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -201,6 +219,19 @@ class DeadlineRule:
         with self._lock:
             probes, self._probes = self._probes, 0
         self.stats.deadline_probes += probes
+
+    def answered(self, seconds: float) -> None:
+        """A lookup answered in ``seconds`` (a round-trip sample): the store is not stalled."""
+        self.model.round_trip(seconds)
+        self._heard()
+
+    def loaded(self, nbytes: int, seconds: float) -> None:
+        """A prefetch of ``nbytes`` was reported ``seconds`` after it was asked for (a throughput sample)."""
+        self.model.transfer(nbytes, seconds)
+        self._heard()
+
+    def _heard(self) -> None:
+        self._sampled_at, self.suspect = self.clock(), False
 
     def describe(self) -> str:
         """One line: the rule and its margin (the vLLM adapter logs it once at start)."""
@@ -214,16 +245,20 @@ class DeadlineRule:
         recompute = self.model.recompute_s(tokens)
         return None if recompute is None else self.margin * recompute
 
-    def skip_lookup(self, uncached_tokens: int) -> bool:
-        """True when a lookup's expected round trip alone costs more than recomputing ``uncached_tokens`` (counted,
-        and a background probe of the round trip is started when one is due)."""
+    def skip_lookup(self, uncached_tokens: int, loadable_bytes: int = 0) -> bool:
+        """True when a lookup's expected round trip, plus the expected load of its best hit (``loadable_bytes``, once
+        the throughput is measured), costs more than recomputing ``uncached_tokens``: even a whole hit cannot pay
+        off (counted, and a background probe of the round trip is started when one is due)."""
         budget = self.budget_s(uncached_tokens) if self.enabled else None
         rtt = self.model.rtt.value
-        if budget is None or rtt is None or rtt <= budget:
+        load = self.model.load_s(loadable_bytes) if loadable_bytes > 0 else None
+        expected = None if rtt is None else rtt + (load or 0.0)
+        if budget is None or expected is None or expected <= budget:
             return False
         self.stats.lookups_skipped += 1
-        logger.debug("kv connector %r: lookup skipped, %d tokens recompute: round trip %.2f ms > budget %.2f ms (%s)",
-                     self.name, uncached_tokens, rtt * 1e3, budget * 1e3, self.model.describe())  # fmt: skip
+        logger.debug("kv connector %r: lookup skipped, %d tokens recompute: round trip and best load %.2f ms > budget "
+                     "%.2f ms (%s)", self.name, uncached_tokens, expected * 1e3, budget * 1e3,
+                     self.model.describe())  # fmt: skip
         self._maybe_probe()
         return True
 
@@ -245,6 +280,8 @@ class DeadlineRule:
         budget = self.budget_s(tokens) if self.enabled else None
         if budget is None:
             return float("inf")
+        if self.suspect:
+            return 0.0  # another wait on this store overran and it has not answered since: stop waiting now
         expected = self.model.rtt.value if nbytes is None else self.model.load_s(nbytes)
         if expected is not None:
             budget = min(budget, OUTLIER * expected)
@@ -255,6 +292,7 @@ class DeadlineRule:
         ``elapsed_s`` (the next lookups are skipped until a probe is fast)."""
         self.stats.deadline_recomputes += 1
         self.model.at_least(elapsed_s)
+        self.suspect = True
         logger.debug("kv connector %r: %s for %d tokens abandoned after %.2f ms, recomputing (%s)", self.name, what,
                      tokens, elapsed_s * 1e3, self.model.describe())  # fmt: skip
 
@@ -269,9 +307,9 @@ class DeadlineRule:
     def probe(self) -> float | None:
         """One lookup of a key no store holds; its round trip replaces the estimate (None: the store failed)."""
         try:
-            start = time.perf_counter()
+            start = self.clock()
             self.store.count_prefix([os.urandom(KEY_BYTES)])
-            seconds: float | None = time.perf_counter() - start
+            seconds: float | None = self.clock() - start
         except Exception:  # a store that cannot answer stays skipped until a probe succeeds
             seconds = None
         with self._lock:
@@ -279,14 +317,47 @@ class DeadlineRule:
             if seconds is not None:
                 self.model.round_trip(seconds, replace=True)
                 self._probes += 1
+                self._heard()
         logger.debug("kv connector %r: round trip probe: %s", self.name, self.model.describe())
         return seconds
+
+    def refresh(self) -> bool:
+        """Probe now (on this thread) when no round trip was sampled for :data:`REFRESH_S` and no probe runs;
+        True when it probed."""
+        now = self.clock()
+        with self._lock:
+            if self._probing or now - self._sampled_at < REFRESH_S:
+                return False
+            self._probing, self._probe_at = True, now
+        self.probe()
+        return True
+
+    def start(self) -> None:
+        """Start the background prober (once; the rule on only): a probe now, then :meth:`refresh` every
+        :data:`REFRESH_S` / 5, so the estimate is there before the first request and fresh after an idle spell."""
+        if not self.enabled or self._stop is not None:
+            return
+        stop = self._stop = threading.Event()
+
+        def run() -> None:
+            while True:
+                self.refresh()
+                if stop.wait(REFRESH_S / 5):
+                    return
+
+        threading.Thread(target=run, name=f"kvdi-{self.name}-prober", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop the background prober (a probe under way ends with the store's own timeout)."""
+        if self._stop is not None:
+            self._stop.set()
 
 
 __all__ = [
     "MIN_DEADLINE_S",
     "MIN_STEP_TOKENS",
     "PROBE_INTERVAL_S",
+    "REFRESH_S",
     "CostModel",
     "DeadlineRule",
     "DeadlineStats",

@@ -78,7 +78,8 @@ class StoreSchedulerConnector(SchedulerConnector):
         scheduler = self.context.settings.scheduler
         if self.load_policy.decide_lookup(scheduler.lookup, unavailable) and self.lookups is None:
             self.lookups = AsyncLookups(self.store, self.name, timeout_s=scheduler.lookup_timeout_s,
-                                        on_round_trip=self.deadline.model.round_trip)  # fmt: skip
+                                        on_round_trip=self.deadline.answered)  # fmt: skip
+            self.deadline.start()  # a remote store's round trip, probed before the first request (rule on only)
         return self.lookups is not None
 
     def enable_prefetch(self, unavailable: str | None = None) -> bool:
@@ -87,10 +88,8 @@ class StoreSchedulerConnector(SchedulerConnector):
         decides (:meth:`~.load_policy.LoadPolicy.decide_prefetch`)."""
         if self.load_policy.decide_prefetch(unavailable) and self.prefetch is None:
             frame, timeout = self._block_bytes + HEADER_SIZE, self._transfer.prefetch_timeout_s
-            model = self.deadline.model
-            self.prefetch = PrefetchPlanner(
-                self._transfer.prefetch_max_bytes, frame, timeout, model.transfer, model.clock
-            )
+            rule = self.deadline
+            self.prefetch = PrefetchPlanner(self._transfer.prefetch_max_bytes, frame, timeout, rule.loaded, rule.clock)
         return self.prefetch is not None
 
     @property
@@ -160,8 +159,9 @@ class StoreSchedulerConnector(SchedulerConnector):
         first = min(num_computed_tokens // bs, len(plan.keys))
         loadable = min(loadable_tokens(len(request.prompt_token_ids), bs) // bs, len(plan.keys))
         uncached = len(request.prompt_token_ids) - num_computed_tokens
-        if first < loadable and plan.looked_up_at != first and self.deadline.skip_lookup(uncached):
-            return 0, False  # its round trip alone costs more than recomputing the request
+        best = (loadable - first) * self._block_bytes  # the bytes of a whole hit: the best a lookup can find
+        if first < loadable and plan.looked_up_at != first and self.deadline.skip_lookup(uncached, best):
+            return 0, False  # its round trip and even a whole hit's load cost more than recomputing the request
         if first < loadable and plan.looked_up_at != first and self.lookups is not None:
             held = self._answered(request.request_id, first, plan.keys[first:], uncached)
             if held is None:
@@ -212,7 +212,7 @@ class StoreSchedulerConnector(SchedulerConnector):
         try:
             start = time.perf_counter()
             stored = self.store.count_prefix(keys)
-            self.deadline.model.round_trip(time.perf_counter() - start)
+            self.deadline.answered(time.perf_counter() - start)
         except Exception as exc:  # anything a store raises is a miss
             self.stats.load_failures += 1
             log_once(logger, self._logged, f"lookup:{type(exc).__name__}",
@@ -283,6 +283,7 @@ class StoreSchedulerConnector(SchedulerConnector):
         return StoreTransferMetadata(tuple(loads), tuple(saves), async_loads, async_save, prefetches, drops)
 
     def shutdown(self) -> None:
+        self.deadline.stop()
         if self.lookups is not None:
             self.lookups.shutdown()
         super().shutdown()
