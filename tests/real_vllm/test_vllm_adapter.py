@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from tests.real_vllm.vllm_support import require_vllm
+from tests.real_vllm.vllm_support import scheduler_output as _output
 
 require_vllm()
 
 import torch  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvdi.integrations.vllm.envelopes import KvdiConnectorStats, KvdiWorkerMetadata  # noqa: E402
@@ -29,21 +30,6 @@ SPEC = KVCacheSpec("m", 2, 2, 32, 32, "float32")
 
 def _request(rid: str, tokens: list[int], **kwargs: Any) -> Request:
     return Request(rid, tokens, SamplingParams(max_tokens=4), None, **kwargs)
-
-
-def _output(
-    new: list[NewRequestData], cached: CachedRequestData, scheduled: dict[str, int], finished: set[str] | None = None
-) -> SchedulerOutput:
-    return SchedulerOutput(
-        scheduled_new_reqs=new,
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens=scheduled,
-        total_num_scheduled_tokens=sum(scheduled.values()),
-        scheduled_spec_decode_tokens={},
-        scheduled_encoder_inputs={},
-        finished_req_ids=finished or set(),
-        free_encoder_mm_hashes=[],
-    )
 
 
 def _cached(

@@ -12,6 +12,7 @@ from typing import Any
 
 from tests.integrations.vllm.test_vllm_step_cost import PROMPT, Calls
 from tests.real_vllm.vllm_support import require_vllm
+from tests.real_vllm.vllm_support import scheduler_output as _output
 
 require_vllm()
 
@@ -30,21 +31,6 @@ def _side() -> Any:
     tracker = RequestTracker()
     fleet = SchedulerFleet(half, layout, RankSlice(), tracker, events_on=False)
     return SchedulerSide(half, tracker, fleet, HeldSaves(best_effort=True), AdapterStats())
-
-
-def _output(new: list[Any], cached: Any, scheduled: dict[str, int]) -> Any:
-    from vllm.v1.core.sched.output import SchedulerOutput
-
-    return SchedulerOutput(
-        scheduled_new_reqs=new,
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens=scheduled,
-        total_num_scheduled_tokens=sum(scheduled.values()),
-        scheduled_spec_decode_tokens={},
-        scheduled_encoder_inputs={},
-        finished_req_ids=set(),
-        free_encoder_mm_hashes=[],
-    )
 
 
 def _decode_step(n: int) -> tuple[dict[str, int], bytes]:

@@ -54,6 +54,23 @@ def require_vllm() -> None:
             pytest.skip(reason, allow_module_level=True)
 
 
+def scheduler_output(new: list[Any], cached: Any, scheduled: dict[str, int], finished: set[str] | None = None) -> Any:
+    """vLLM's own ``SchedulerOutput`` of one step: ``new`` requests, ``cached`` (vLLM's ``CachedRequestData``),
+    tokens scheduled per request id, and the ids that finished; no encoder inputs, no speculative tokens."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    return SchedulerOutput(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=finished or set(),
+        free_encoder_mm_hashes=[],
+    )
+
+
 def make_tiny_llama(directory: Path, *, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2) -> Path:
     """Write a random Llama (safetensors, no tokenizer) to ``directory``; head_dim = hidden / heads (>= 32 for vLLM CPU)."""
     if (directory / "config.json").exists():
