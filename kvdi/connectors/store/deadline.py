@@ -333,8 +333,9 @@ class DeadlineRule:
         return True
 
     def start(self) -> None:
-        """Start the background prober (once; the rule on only): a probe now, then :meth:`refresh` every
-        :data:`REFRESH_S` / 5, so the estimate is there before the first request and fresh after an idle spell."""
+        """Start the background prober (once; the rule on only): a probe now, then :meth:`refresh` whenever
+        :data:`REFRESH_S` passed since the store last answered (asleep until then), so the estimate is there before
+        the first request and fresh after an idle spell."""
         if not self.enabled or self._stop is not None:
             return
         stop = self._stop = threading.Event()
@@ -342,7 +343,9 @@ class DeadlineRule:
         def run() -> None:
             while True:
                 self.refresh()
-                if stop.wait(REFRESH_S / 5):
+                with self._lock:  # asleep until the next probe is due (a store that fails: again in REFRESH_S / 5)
+                    due_in = self._sampled_at + REFRESH_S - self.clock()
+                if stop.wait(min(REFRESH_S, max(REFRESH_S / 5, due_in))):
                     return
 
         threading.Thread(target=run, name=f"kvdi-{self.name}-prober", daemon=True).start()
