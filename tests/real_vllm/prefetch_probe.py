@@ -1,7 +1,7 @@
 """``engine_run.py`` with prefetch at lookup watched from inside (in-process engines only).
 
 Usage: ``python tests/real_vllm/prefetch_probe.py SPEC.json``; the spec is ``engine_run.py``'s plus
-``abort`` (indices of prompts to abort once their prefetch is running), and the result gains
+``abort`` (indices of prompts, each aborted once its prefetch is running), and the result gains
 ``probes``:
 
 - ``max_staged_bytes``: the most host staging kvdi's worker held after any engine step;
@@ -50,11 +50,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                         outputs[out.request_id] = out
                 probes["max_staged_bytes"] = max(probes["max_staged_bytes"], staging.held_bytes)
                 # vLLM's engine core knows a request by its id plus a suffix: match kvdi's ids by prefix.
+                # Each is aborted at the first step that finds it staging (their prefetches need not start
+                # in the same step: aborting them together raced the second one's lookup).
                 staged = {a for a in abort if any(r.startswith(a) for r in staging.requests)}
                 if staged:  # the abort lands while their prefetch runs
-                    probes["aborted_while_staging"] = sorted(ids.index(r) for r in staged)
-                    engine.abort_request(sorted(abort))
-                    abort = set()
+                    probes["aborted_while_staging"] = sorted(
+                        probes["aborted_while_staging"] + [ids.index(r) for r in staged]
+                    )
+                    engine.abort_request(sorted(staged))
+                    abort -= staged
             core = engine.engine_core.engine_core
             for _ in range(1000):  # drain: held saves and dropped staging reach the worker
                 if not core.scheduler.has_requests():
