@@ -162,24 +162,35 @@ class CanonicalBlockStore:
         pieces (a header, then the block, e.g. the cache's layer views): verified sections unpacked in place,
         then the header written; None where any section is missing or bad (pieces untouched then)."""
         frame = FRAME_HEADER + self._block_bytes
+        shaped = [len(p) > 1 and p[0].nbytes == FRAME_HEADER and sum(x.nbytes for x in p) == frame for _, p in items]
+        payloads = [(key, pieces[1:] if ok else ()) for (key, pieces), ok in zip(items, shaped, strict=True)]
+        placed = self.place_many(payloads)
+        for (key, pieces), size, ok in zip(items, placed, shaped, strict=True):
+            if size is not None and ok:  # the frame header too, for callers that check frames
+                pieces[0][:] = frame_header(self._fingerprint, pieces[1:], self._key, name=key)
+        return [None if size is None else frame for size in placed]
+
+    def place_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[int | None]:
+        """Each block's payload (no frame header) placed straight into its pieces (e.g. the cache's layer views)
+        from its sections, each verified once as it was read: the store worker half checks nothing after
+        (:func:`~kvdi.connectors.store.reads.read_chunk`). Returns the payload bytes placed, None where any
+        section is missing or bad (pieces untouched then); pieces of another size get nothing placed."""
         out: list[int | None] = []
         rank = self.rank
         fetched = rank.fetch_many([key for key, _ in items])
-        for (key, pieces), payloads in zip(items, fetched, strict=True):
+        for (_, payload), payloads in zip(items, fetched, strict=True):
             if payloads is None:
                 out.append(None)
                 continue
-            if sum(p.nbytes for p in pieces) != frame or pieces[0].nbytes != FRAME_HEADER:
-                out.append(frame)  # not this frame's shape: the caller reads nothing into them
+            if sum(p.nbytes for p in payload) != self._block_bytes:
+                out.append(self._block_bytes)  # not this block's shape: the caller reads nothing into them
                 continue
-            payload = pieces[1:]
             layers = self._as_layers(payload)
             unpack_block(rank.geometry, rank.part, layers, rank.order, rank.reads, payloads)
             if layers is not payload:
                 _scatter(b"".join(layers), payload)
-            pieces[0][:] = frame_header(self._fingerprint, payload, self._key, name=key)
             rank.loaded_blocks += 1
-            out.append(frame)
+            out.append(self._block_bytes)
         return out
 
     def _as_layers(self, payload: Sequence[memoryview]) -> Sequence[memoryview]:
