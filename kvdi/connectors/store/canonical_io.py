@@ -26,7 +26,7 @@ from kvdi.connectors.store.canonical import (
     verify_section,
     write_plan,
 )
-from kvdi.connectors.store.canonical_convert import ORDERS, pack_block, unpack_block
+from kvdi.connectors.store.canonical_convert import ORDERS, direct_runs, layer_bytes, pack_block, unpack_block
 from kvdi.connectors.store.framing import MAGIC as PER_RANK_MAGIC
 from kvdi.connectors.store.framing import Buffer, CorruptObjectError, FrameKey
 
@@ -79,6 +79,11 @@ class CanonicalRank:
         self.written_bytes = 0
         self.read_bytes = 0
         self._staging = Staging()
+        self.write_runs = direct_runs(geometry, part, order, self.writes)
+        """Each written section's offset in its layers' buffers (its bytes of a layer, one run), or None:
+        converted through a staging buffer."""
+        self.read_runs = direct_runs(geometry, part, order, self.reads)
+        """The same for the sections read (:meth:`load_direct`)."""
 
     def object_bytes(self) -> int:
         """The size of every stored section object (uniform: the grid divides the model)."""
@@ -87,10 +92,27 @@ class CanonicalRank:
     def save(self, blocks: Sequence[tuple[bytes, Layers]]) -> int:
         """Write this rank's sections of each ``(block key, per-layer buffers)``; return objects written.
 
-        The payloads are packed into this thread's save staging buffer (reused: no allocation per call), one
-        strided copy per layer, then framed (one checksum pass) and handed to the store in one call."""
+        Where each section's bytes of a layer are one run of it (:attr:`write_runs`) they are framed and
+        written as they are, no copy; else packed into this thread's save staging buffer (reused: no
+        allocation per call), one strided copy per layer. One checksum pass, one store call."""
         if not self.writes or not blocks:
             return 0
+        g = self.geometry
+        items: list[tuple[bytes, Sequence[Buffer]]] = []
+        if self.write_runs is not None:  # no conversion: each section's bytes of a layer are one run of it
+            for block_key, layers in blocks:
+                runs = self._runs(layers, self.writes, self.write_runs)
+                for section, payload in zip(self.writes, runs, strict=True):
+                    name = section.key(block_key)
+                    items.append((name, [frame_section(g, section, payload, self.key, name=name), *payload]))
+        else:
+            items = self._packed(blocks)
+        written = self.store.put_many(items)
+        self.written_bytes += written * self.object_bytes()
+        return written
+
+    def _packed(self, blocks: Sequence[tuple[bytes, Layers]]) -> list[tuple[bytes, Sequence[Buffer]]]:
+        """The framed sections of ``blocks``, converted into this thread's save staging buffer."""
         g = self.geometry
         items: list[tuple[bytes, Sequence[Buffer]]] = []
         sizes = [g.section_bytes(s) for s in self.writes]
@@ -104,9 +126,40 @@ class CanonicalRank:
                 name, payload = section.key(block_key), view[offset : offset + size]
                 offset += size
                 items.append((name, [frame_section(g, section, payload, self.key, name=name), payload]))
-        written = self.store.put_many(items)
-        self.written_bytes += written * self.object_bytes()
-        return written
+        return items
+
+    def _runs(self, layers: Layers, sections: Sequence[Section], offsets: Sequence[int]) -> list[list[memoryview]]:
+        """Each of ``sections`` as its runs in ``layers`` (one a layer it covers, at its offset there)."""
+        views = [layer_bytes(layer) for layer in layers]
+        out = []
+        for section, offset in zip(sections, offsets, strict=True):
+            size = self.geometry.section_bytes(section) // section.layer_count
+            first = section.layer_start - self.part.layer_start
+            out.append([views[i][offset : offset + size] for i in range(first, first + section.layer_count)])
+        return out
+
+    def load_direct(self, blocks: Sequence[tuple[bytes, Layers]]) -> list[bool]:
+        """Read each block's needed sections straight into its (writable) per-layer buffers, where
+        :attr:`read_runs` says each is one run of each layer (else ValueError); whether each block is loaded.
+
+        Each section is verified once, in place, after its read (as a per-rank frame read into the cache is):
+        a block whose sections are not all present and valid may hold bad bytes and must not be offered; its
+        reason is counted and a bad object discarded."""
+        if self.read_runs is None:
+            raise ValueError("load_direct: this rank's sections are not single runs of its layers; use load")
+        per = len(self.reads)
+        names = [s.key(k) for k, _ in blocks for s in self.reads]
+        stage = self._staging.get("load", len(names) * HEADER_SIZE)
+        headers = [stage[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(len(names))]
+        payloads = [run for _, layers in blocks for run in self._runs(layers, self.reads, self.read_runs)]
+        try:
+            got = self._read(names, headers, payloads)
+        except Exception:  # a store call that fails is a miss, never an exception
+            self.misses["error"] += 1
+            return [False] * len(blocks)
+        checks = (self._check(i, names[i], got[i], headers[i], payloads[i]) for i in range(len(names)))
+        ok = list(checks)
+        return [all(ok[b * per : (b + 1) * per]) for b in range(len(blocks))]
 
     def count_prefix(self, block_keys: Sequence[bytes]) -> int:
         """Leading blocks with every section this rank needs present (an existence check only)."""
@@ -144,11 +197,11 @@ class CanonicalRank:
         blocks = [stage[b * block_bytes : (b + 1) * block_bytes] for b in range(n)]
         at = n * block_bytes
         headers = [stage[at + i * HEADER_SIZE : at + (i + 1) * HEADER_SIZE] for i in range(len(names))]
-        payloads: list[memoryview] = []
+        payloads: list[list[memoryview]] = []
         for buf in blocks:
             offset = 0
             for size in sizes:
-                payloads.append(buf[offset : offset + size])
+                payloads.append([buf[offset : offset + size]])
                 offset += size
         try:
             got = self._read(names, headers, payloads)
@@ -161,21 +214,25 @@ class CanonicalRank:
             out.append(buf if ok else None)
         return out
 
-    def _read(self, names: list[bytes], headers: list[memoryview], payloads: list[memoryview]) -> list[int | None]:
-        """Each object's size (None: absent), read into its header and payload buffers when the size fits."""
+    def _read(
+        self, names: list[bytes], headers: list[memoryview], payloads: list[list[memoryview]]
+    ) -> list[int | None]:
+        """Each object's size (None: absent), read into its header and payload pieces when the size fits."""
         into = getattr(self.store, "get_into_many", None)
         if callable(into):
-            pieces = [[h, p] for h, p in zip(headers, payloads, strict=True)]
+            pieces = [[h, *p] for h, p in zip(headers, payloads, strict=True)]
             sizes: list[int | None] = into(list(zip(names, pieces, strict=True)))
         else:
             found = self.store.get_many(names)
             sizes = []
             for buf, h, p in zip(found, headers, payloads, strict=True):
                 n = None if buf is None else memoryview(buf).nbytes
-                if buf is not None and n == h.nbytes + p.nbytes:
-                    view = memoryview(buf).cast("B")
-                    h[:] = view[: h.nbytes]
-                    p[:] = view[h.nbytes :]
+                if buf is not None and n == h.nbytes + sum(x.nbytes for x in p):
+                    view, offset = memoryview(buf).cast("B"), h.nbytes
+                    h[:] = view[:offset]
+                    for x in p:
+                        x[:] = view[offset : offset + x.nbytes]
+                        offset += x.nbytes
                 sizes.append(n)
         if len(sizes) != len(names):
             raise ValueError(f"the store answered {len(sizes)} of {len(names)} reads")
@@ -190,14 +247,14 @@ class CanonicalRank:
             return "length"
         return "old_format" if buf is not None and bytes(memoryview(buf).cast("B")[:4]) == PER_RANK_MAGIC else "length"
 
-    def _check(self, i: int, name: bytes, size: int | None, header: memoryview, payload: memoryview) -> bool:
+    def _check(self, i: int, name: bytes, size: int | None, header: memoryview, payload: list[memoryview]) -> bool:
         section = self.reads[i % len(self.reads)]
         if size is None or size == 0:
             self.misses["absent"] += 1
             return False
         self.read_bytes += size
         try:
-            if size != header.nbytes + payload.nbytes:
+            if size != header.nbytes + sum(p.nbytes for p in payload):
                 raise CorruptObjectError(self._odd(name), f"object of {size} B, a section is {header.nbytes} B more")
             verify_section(header, payload, self.geometry, section, self.key, name=name)
         except CorruptObjectError as exc:
