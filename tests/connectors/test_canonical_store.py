@@ -228,6 +228,15 @@ def test_redis_canonical_tp1_saves_tp2_ranks_load(redis_server: Any) -> None:
         assert all(torch.equal(dst[n][5:9], src[n][0:4][:, :, :, rank : rank + 1]) for n in WHOLE.layer_names)
         reader.shutdown()
     writer.shutdown()
+    nhc = KVCacheSpec("m#canonical", LAYERS, HEADS, 8, BS, "float32", block_order="nhc")
+    w2, src2 = redis_worker(nhc, seed=6, section_heads=HEADS)  # sections that are runs of the cache: no copy
+    assert step(w2, (0, 1, 2, 3), save=True) == set()
+    r2, dst2 = redis_worker(nhc, section_heads=HEADS)
+    assert isinstance(r2.store, CanonicalBlockStore) and r2.store.rank.read_runs == [0]  # GET into each layer
+    assert step(r2, (5, 6, 7, 8), save=False) == set() and r2.stats.loaded_blocks == 4
+    assert all(torch.equal(dst2[n][5:9], src2[n][0:4]) for n in nhc.layer_names)
+    for half in (w2, r2):
+        half.shutdown()
     with pytest.raises(ConfigError, match="KVDI_REDIS__COMPRESSION='zstd' with KVDI_REDIS__FORMAT=canonical"):
         redis_worker(WHOLE, compression="zstd")
 
