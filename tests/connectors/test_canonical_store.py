@@ -118,6 +118,23 @@ def test_a_missing_section_is_a_counted_load_error_on_every_rank_needing_it(tmp_
     assert r1.store.misses["absent"] == 1
 
 
+def test_hnc_sections_of_one_head_go_straight_to_the_cache_and_a_bad_one_is_still_a_miss(tmp_path: Path) -> None:
+    hnc = KVCacheSpec("m#canonical", LAYERS, HEADS, 8, BS, "float32", block_order="hnc")
+    writer, src = worker(tmp_path, hnc, seed=7)  # a section a head: each head's [N, 2D] of a layer is one run
+    run = BS * 16 * 4
+    assert isinstance(writer.store, CanonicalBlockStore) and writer.store.rank.write_runs == [0, run]
+    assert step(writer, (0, 1, 2, 3), save=True) == set()
+    victim = writer.store.inner.path_for(Section(0, LAYERS, 1, 1).key(KEYS[1]))
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0x40
+    victim.write_bytes(bytes(raw))
+    reader, dst = worker(tmp_path, hnc)
+    assert isinstance(reader.store, CanonicalBlockStore) and reader.store.rank.read_runs == [0, run]
+    assert step(reader, (5, 6, 7, 8), save=False) == {6, 7, 8}
+    assert reader.stats.loaded_blocks == 1 and reader.store.misses["checksum"] == 1
+    assert all(torch.equal(dst[n][5], src[n][0]) for n in hnc.layer_names)
+
+
 def test_nhc_sections_of_whole_layers_go_straight_to_the_cache_and_a_bad_one_is_still_a_miss(tmp_path: Path) -> None:
     nhc = KVCacheSpec("m#canonical", LAYERS, HEADS, 8, BS, "float32", block_order="nhc")
     writer, src = worker(tmp_path, nhc, seed=4, section_heads=HEADS)
