@@ -17,7 +17,7 @@ from kvdi.cli_store import add_store_parser
 from kvdi.errors import ConfigError, KvdiError, did_you_mean
 
 EXIT_USAGE = 2
-BENCHES = ("resolution", "storage", "integrity", "redis", "s3", "ttft", "p2p", "async_transfers")
+BENCHES = ("resolution", "storage", "integrity", "redis", "s3", "ttft", "p2p", "async_transfers", "canonical")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

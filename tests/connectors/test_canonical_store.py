@@ -18,7 +18,8 @@ from kvdi.connectors.base import (
 )
 from kvdi.connectors.shared_storage import open_store
 from kvdi.connectors.store import StoreWorkerConnector
-from kvdi.connectors.store.canonical import Section
+from kvdi.connectors.store.canonical import RankPart, Section
+from kvdi.connectors.store.canonical_io import CanonicalRank
 from kvdi.connectors.store.canonical_store import CanonicalBlockStore, part_tag
 from kvdi.connectors.store.framing import unframe
 from kvdi.connectors.store.keys import block_keys
@@ -43,8 +44,10 @@ def settings(root: Path, **extra: object) -> KvdiSettings:
     return KvdiSettings(kv_role="kv_both", engine_id="test", shared_storage=options)
 
 
-def worker(root: Path, layout: KVCacheSpec, seed: int | None = None) -> tuple[StoreWorkerConnector, dict]:
-    s = settings(root)
+def worker(
+    root: Path, layout: KVCacheSpec, seed: int | None = None, **extra: object
+) -> tuple[StoreWorkerConnector, dict]:
+    s = settings(root, **extra)
     store = open_store(s.shared_storage, layout, s)
     half = StoreWorkerConnector(ConnectorContext("shared_storage", KVConnectorRole.WORKER, s, layout, None, store))
     caches = make_caches(layout, 16, seed)
@@ -113,6 +116,49 @@ def test_a_missing_section_is_a_counted_load_error_on_every_rank_needing_it(tmp_
     assert step(r1, (5, 6, 7, 8), save=False) == {7, 8}
     assert r1.stats.loaded_blocks == 2 and isinstance(r1.store, CanonicalBlockStore)
     assert r1.store.misses["absent"] == 1
+
+
+def test_hnc_sections_of_one_head_go_straight_to_the_cache_and_a_bad_one_is_still_a_miss(tmp_path: Path) -> None:
+    hnc = KVCacheSpec("m#canonical", LAYERS, HEADS, 8, BS, "float32", block_order="hnc")
+    writer, src = worker(tmp_path, hnc, seed=7)  # a section a head: each head's [N, 2D] of a layer is one run
+    run = BS * 16 * 4
+    assert isinstance(writer.store, CanonicalBlockStore) and writer.store.rank.write_runs == [0, run]
+    assert step(writer, (0, 1, 2, 3), save=True) == set()
+    victim = writer.store.inner.path_for(Section(0, LAYERS, 1, 1).key(KEYS[1]))
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0x40
+    victim.write_bytes(bytes(raw))
+    reader, dst = worker(tmp_path, hnc)
+    assert isinstance(reader.store, CanonicalBlockStore) and reader.store.rank.read_runs == [0, run]
+    assert step(reader, (5, 6, 7, 8), save=False) == {6, 7, 8}
+    assert reader.stats.loaded_blocks == 1 and reader.store.misses["checksum"] == 1
+    assert all(torch.equal(dst[n][5], src[n][0]) for n in hnc.layer_names)
+
+
+def test_nhc_sections_of_whole_layers_go_straight_to_the_cache_and_a_bad_one_is_still_a_miss(tmp_path: Path) -> None:
+    nhc = KVCacheSpec("m#canonical", LAYERS, HEADS, 8, BS, "float32", block_order="nhc")
+    writer, src = worker(tmp_path, nhc, seed=4, section_heads=HEADS)
+    assert isinstance(writer.store, CanonicalBlockStore) and writer.store.rank.write_runs == [0]  # no conversion
+    assert step(writer, (0, 1, 2, 3), save=True) == set()
+    victim = writer.store.inner.path_for(Section(0, LAYERS, 0, HEADS).key(KEYS[2]))
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0x40  # one payload byte: only the section checksum can tell
+    victim.write_bytes(bytes(raw))
+    reader, dst = worker(tmp_path, nhc, section_heads=HEADS)
+    assert isinstance(reader.store, CanonicalBlockStore) and reader.store.rank.read_runs == [0]
+    assert step(reader, (5, 6, 7, 8), save=False) == {7, 8}
+    assert reader.stats.loaded_blocks == 2 and reader.store.misses["checksum"] == 1
+    assert all(torch.equal(dst[n][5:7], src[n][0:2]) for n in nhc.layer_names)
+    g = reader.store.rank.geometry  # a reader of head 1 only: a section wider than its head, staged, converted
+    r1 = CanonicalRank(reader.store.inner, g, RankPart(0, LAYERS, 1, 1, 1, 0), "nhc")
+    assert r1.read_runs is None
+    d1 = [[torch.zeros(BS, 1, 16) for _ in range(LAYERS)] for _ in KEYS]
+    assert r1.load(list(zip(KEYS, d1, strict=True))) == 2  # the bad section was discarded: absent now
+    assert r1.misses["absent"] == 1
+    for b in range(2):  # a cache block's bytes are [N, H, 2D] under nhc
+        assert all(
+            torch.equal(d1[b][i], src[n][b].reshape(BS, HEADS, 16)[:, 1:2]) for i, n in enumerate(nhc.layer_names)
+        )
 
 
 def test_settings_refuse_a_grid_that_does_not_divide(tmp_path: Path) -> None:
@@ -199,6 +245,15 @@ def test_redis_canonical_tp1_saves_tp2_ranks_load(redis_server: Any) -> None:
         assert all(torch.equal(dst[n][5:9], src[n][0:4][:, :, :, rank : rank + 1]) for n in WHOLE.layer_names)
         reader.shutdown()
     writer.shutdown()
+    nhc = KVCacheSpec("m#canonical", LAYERS, HEADS, 8, BS, "float32", block_order="nhc")
+    w2, src2 = redis_worker(nhc, seed=6, section_heads=HEADS)  # sections that are runs of the cache: no copy
+    assert step(w2, (0, 1, 2, 3), save=True) == set()
+    r2, dst2 = redis_worker(nhc, section_heads=HEADS)
+    assert isinstance(r2.store, CanonicalBlockStore) and r2.store.rank.read_runs == [0]  # GET into each layer
+    assert step(r2, (5, 6, 7, 8), save=False) == set() and r2.stats.loaded_blocks == 4
+    assert all(torch.equal(dst2[n][5:9], src2[n][0:4]) for n in nhc.layer_names)
+    for half in (w2, r2):
+        half.shutdown()
     with pytest.raises(ConfigError, match="KVDI_REDIS__COMPRESSION='zstd' with KVDI_REDIS__FORMAT=canonical"):
         redis_worker(WHOLE, compression="zstd")
 

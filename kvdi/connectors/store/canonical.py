@@ -16,6 +16,7 @@ import functools
 import hashlib
 import hmac
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvdi.connectors.store.framing import MAGIC as PER_RANK_MAGIC
@@ -24,8 +25,8 @@ from kvdi.errors import ConfigError
 from kvdi.layout import DTYPE_BYTES
 
 MAGIC = b"KVDC"
-CANONICAL_VERSION = 1
-ORDER_LKHTD = 1  # payload order: layer, K/V, head, token, dim
+CANONICAL_VERSION = 2  # 2: payload order LNHKD (1 was LKHTD: now a ``version`` miss)
+ORDER_LNHKD = 2  # payload order: layer, token, head, K/V, dim (vLLM's GPU block order: no conversion there)
 FLAG_MAC = 1
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
 _CHECKED = struct.Struct("<4sHH16s16s8I2B6xQ")  # what the checksum covers besides the payload (88 B)
@@ -127,7 +128,7 @@ class Geometry:
                 self.layers_per_section,
                 self.section_heads,
                 CANONICAL_VERSION,
-                ORDER_LKHTD,
+                ORDER_LNHKD,
             )
         )
 
@@ -219,24 +220,39 @@ def _fields(geometry: Geometry, section: Section, name: Buffer, flags: int, leng
     return (
         MAGIC, CANONICAL_VERSION, flags, g.fingerprint(), name_field(name),
         section.layer_start, section.layer_count, section.head_start, section.head_count,
-        g.num_layers, g.num_kv_heads, g.head_dim, g.block_size, DTYPE_CODES[g.dtype], ORDER_LKHTD, length,
+        g.num_layers, g.num_kv_heads, g.head_dim, g.block_size, DTYPE_CODES[g.dtype], ORDER_LNHKD, length,
     )  # fmt: skip
 
 
+def _pieces(payload: Buffer | Sequence[Buffer]) -> list[Buffer]:
+    """A payload given whole or as pieces (e.g. one run of each layer's buffer), as pieces."""
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return [payload]
+    return list(payload)
+
+
 def frame_section(
-    geometry: Geometry, section: Section, payload: Buffer, key: FrameKey | None = None, *, name: Buffer
+    geometry: Geometry,
+    section: Section,
+    payload: Buffer | Sequence[Buffer],
+    key: FrameKey | None = None,
+    *,
+    name: Buffer,
 ) -> bytes:
-    """The 128-byte header to store before ``payload`` (the section in ``LKHTD`` order) under ``name``."""
-    length = memoryview(payload).nbytes
+    """The 128-byte header to store before ``payload`` (the section in ``LNHKD`` order, whole or as a list of
+    pieces stored back to back) under ``name``."""
+    pieces = _pieces(payload)
+    length = sum(memoryview(p).nbytes for p in pieces)
     if length != geometry.section_bytes(section):
         raise ValueError(f"payload of {length} B, section needs {geometry.section_bytes(section)} B")
     flags = 0 if key is None else FLAG_MAC
     checked = _CHECKED.pack(*_fields(geometry, section, name, flags, length))
-    digest = checksum([payload, checked])
+    digest = checksum([*pieces, checked])
     if key is None:
         return _HEADER.pack(*_fields(geometry, section, name, flags, length), digest, _NO_MAC)
     mac = key.mac()
-    mac.update(payload)
+    for piece in pieces:
+        mac.update(piece)
     mac.update(checked + digest.to_bytes(8, "little"))
     return _HEADER.pack(*_fields(geometry, section, name, flags, length), digest, mac.digest())
 
@@ -255,9 +271,16 @@ def open_section(
 
 
 def verify_section(
-    header: Buffer, payload: Buffer, geometry: Geometry, section: Section, key: FrameKey | None = None, *, name: Buffer
+    header: Buffer,
+    payload: Buffer | Sequence[Buffer],
+    geometry: Geometry,
+    section: Section,
+    key: FrameKey | None = None,
+    *,
+    name: Buffer,
 ) -> None:
-    """Check a section read as its header and its payload: every header field, then the checksum (or the MAC).
+    """Check a section read as its header and its payload (whole, or the list of pieces it was read into):
+    every header field, then the checksum (or the MAC), one pass over the payload.
 
     Raises :class:`~.framing.CorruptObjectError` with the first reason that applies; a per-rank
     frame (magic ``KVDI``) is reason ``old_format``.
@@ -271,7 +294,7 @@ def verify_section(
         raise CorruptObjectError("magic", f"expected {MAGIC!r}, got {bytes(magic)!r}")
     if version != CANONICAL_VERSION:
         raise CorruptObjectError("version", f"canonical format version {version}, this kvdi reads {CANONICAL_VERSION}")
-    if flags & ~FLAG_MAC or order != ORDER_LKHTD or bool(flags & FLAG_MAC) == (mac == _NO_MAC):
+    if flags & ~FLAG_MAC or order != ORDER_LNHKD or bool(flags & FLAG_MAC) == (mac == _NO_MAC):
         raise CorruptObjectError("header", f"flags {flags:#x} / order {order} / MAC field disagree")
     if fp != geometry.fingerprint():
         raise CorruptObjectError("fingerprint", "written for another model, dtype, geometry or grid")
@@ -282,18 +305,20 @@ def verify_section(
     g = geometry
     if tuple(geom) != (g.num_layers, g.num_kv_heads, g.head_dim, g.block_size) or dtype != DTYPE_CODES[g.dtype]:
         raise CorruptObjectError("geometry", f"geometry {tuple(geom)} dtype {dtype} does not match this model")
-    expected, got = geometry.section_bytes(section), memoryview(payload).nbytes
+    pieces = _pieces(payload)
+    expected, got = geometry.section_bytes(section), sum(memoryview(p).nbytes for p in pieces)
     if length != expected or got != expected:
         raise CorruptObjectError("length", f"{got} B of payload, header says {length} B, need {expected} B")
     checked = view[: _CHECKED.size]
     if key is None:
-        if checksum([payload, checked]) != digest:
+        if checksum([*pieces, checked]) != digest:
             raise CorruptObjectError("checksum", "payload does not match its section checksum")
         return
     if not flags & FLAG_MAC:
         raise CorruptObjectError("mac", "section carries no MAC but an integrity key is set")
     h = key.mac()
-    h.update(payload)
+    for piece in pieces:
+        h.update(piece)
     h.update(view[: _FIELDS.size])
     if not hmac.compare_digest(h.digest(), bytes(mac)):
         raise CorruptObjectError("mac", "MAC does not verify under this integrity key (forged or other key)")

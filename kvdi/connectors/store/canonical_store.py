@@ -162,29 +162,56 @@ class CanonicalBlockStore:
         pieces (a header, then the block, e.g. the cache's layer views): verified sections unpacked in place,
         then the header written; None where any section is missing or bad (pieces untouched then)."""
         frame = FRAME_HEADER + self._block_bytes
+        shaped = [len(p) > 1 and p[0].nbytes == FRAME_HEADER and sum(x.nbytes for x in p) == frame for _, p in items]
+        payloads = [(key, pieces[1:] if ok else ()) for (key, pieces), ok in zip(items, shaped, strict=True)]
+        placed = self._place(payloads, direct=False)  # pieces untouched unless all is valid
+        for (key, pieces), size, ok in zip(items, placed, shaped, strict=True):
+            if size is not None and ok:  # the frame header too, for callers that check frames
+                pieces[0][:] = frame_header(self._fingerprint, pieces[1:], self._key, name=key)
+        return [None if size is None else frame for size in placed]
+
+    def place_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[int | None]:
+        """Each block's payload (no frame header) placed into its pieces (e.g. the cache's layer views) from its
+        sections, each byte verified once: the store worker half checks nothing after
+        (:func:`~kvdi.connectors.store.reads.read_chunk`). Returns the payload bytes placed, None where any
+        section is missing or bad; pieces of another size get nothing placed.
+
+        Where the sections are runs of the layers (:attr:`.CanonicalRank.read_runs`) they are read straight
+        into them and verified there, as a per-rank frame read into the cache is: a block that is then a miss
+        may hold bad bytes, never offered (vLLM recomputes it). Else they are read and verified in a staging
+        buffer and converted into the pieces only when valid."""
+        return self._place(items, direct=True)
+
+    def _place(self, items: Sequence[tuple[bytes, Sequence[memoryview]]], direct: bool) -> list[int | None]:
+        rank, size = self.rank, self._block_bytes
+        direct = direct and rank.read_runs is not None and all(self._per_layer(p) for _, p in items)
+        if direct:
+            loaded = rank.load_direct(items)
+            rank.loaded_blocks += sum(loaded)
+            return [size if ok else None for ok in loaded]
         out: list[int | None] = []
-        rank = self.rank
         fetched = rank.fetch_many([key for key, _ in items])
-        for (key, pieces), payloads in zip(items, fetched, strict=True):
+        for (_, payload), payloads in zip(items, fetched, strict=True):
             if payloads is None:
                 out.append(None)
                 continue
-            if sum(p.nbytes for p in pieces) != frame or pieces[0].nbytes != FRAME_HEADER:
-                out.append(frame)  # not this frame's shape: the caller reads nothing into them
+            if sum(p.nbytes for p in payload) != size:
+                out.append(size)  # not this block's shape: the caller reads nothing into them
                 continue
-            payload = pieces[1:]
             layers = self._as_layers(payload)
             unpack_block(rank.geometry, rank.part, layers, rank.order, rank.reads, payloads)
             if layers is not payload:
                 _scatter(b"".join(layers), payload)
-            pieces[0][:] = frame_header(self._fingerprint, payload, self._key, name=key)
             rank.loaded_blocks += 1
-            out.append(frame)
+            out.append(size)
         return out
+
+    def _per_layer(self, payload: Sequence[memoryview]) -> bool:
+        return len(payload) == self._layers and all(p.nbytes == self._layer_bytes for p in payload)
 
     def _as_layers(self, payload: Sequence[memoryview]) -> Sequence[memoryview]:
         """``payload`` itself when it is one view per layer, else fresh per-layer buffers to scatter after."""
-        if len(payload) == self._layers and all(p.nbytes == self._layer_bytes for p in payload):
+        if self._per_layer(payload):
             return payload
         return [memoryview(bytearray(self._layer_bytes)) for _ in range(self._layers)]
 

@@ -1,0 +1,119 @@
+"""The canonical stored format's cost against per-rank frames on the same bytes (``kvdi bench canonical``).
+
+kvdi's real store worker half saves and loads the same 1 MiB blocks (8 layers x 2 x 16 tokens x 8 KV heads
+x 128 dims, fp32, ``nhc`` block order: vLLM's GPU default) to shared_storage folders, once with
+``format=per_rank`` and once with ``format=canonical``, for two grids: ``section_heads=8`` (one section a
+block: the format's own cost) and ``section_heads=1`` (a section a head: eight objects a block, what a
+fleet of any TP size shares). Rounds alternate ABBA, BAAB; each row is the ratio of the medians, with the
+lowest and highest per-round ratio in its note. Warm page cache. The issue's bar (at most 10 % over
+per-rank frames) is the target of the one-section rows; a section a head pays for eight files a block.
+``benchmarks/canonical_cost.py`` prints the same from the command line.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvdi.bench import BenchResult
+from kvdi.connectors.base import (
+    BlockTransfer,
+    BlockTransferMetadata,
+    ConnectorContext,
+    KVConnectorRole,
+    run_transfer_step,
+)
+from kvdi.connectors.shared_storage import open_store
+from kvdi.connectors.store import StoreWorkerConnector
+from kvdi.connectors.store.keys import block_keys
+from kvdi.layout import KVCacheSpec
+from kvdi.settings import KvdiSettings
+
+LAYOUT = KVCacheSpec("bench#canonical", 8, 8, 128, 16, "float32", block_order="nhc")
+TARGET = 1.10
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One operation's medians (seconds) on each side and the per-round ratios canonical / per_rank."""
+
+    op: str
+    section_heads: int
+    per_rank: float
+    canonical: float
+    ratios: tuple[float, ...]
+
+    @property
+    def ratio(self) -> float:
+        return self.canonical / self.per_rank
+
+
+def _worker(root: Path, fmt: str, blocks: int, heads: int) -> StoreWorkerConnector:
+    options = {"path": str(root), "format": fmt, "section_heads": heads}
+    s = KvdiSettings(kv_role="kv_both", engine_id="bench", shared_storage=options)
+    store = open_store(s.shared_storage, LAYOUT, s)
+    half = StoreWorkerConnector(ConnectorContext("shared_storage", KVConnectorRole.WORKER, s, LAYOUT, None, store))
+    shape = (2 * blocks, *LAYOUT.block_shape)
+    half.register_kv_caches({n: torch.randn(shape) for n in LAYOUT.layer_names})
+    return half
+
+
+def _timed(half: StoreWorkerConnector, keys: tuple[bytes, ...], save: bool) -> float:
+    blocks = len(keys)
+    ids = tuple(range(blocks)) if save else tuple(range(blocks, 2 * blocks))
+    transfer = (BlockTransfer("r", ids, keys),)
+    meta = BlockTransferMetadata(() if save else transfer, transfer if save else ())
+    start = time.perf_counter()
+    failed = run_transfer_step(half, meta)
+    half.flush()
+    took = time.perf_counter() - start
+    if failed:
+        raise RuntimeError(f"{len(failed)} blocks failed to load")
+    return took
+
+
+def measure(rounds: int = 6, blocks: int = 32, heads: int = 1) -> list[Cost]:
+    """Save then load ``blocks`` blocks ``rounds`` times on each side, alternated; the save and load costs."""
+    torch.set_num_threads(1)
+    keys = tuple(block_keys(list(range(blocks * LAYOUT.block_size)), LAYOUT))
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        halves = {f: _worker(Path(tmp) / f, f, blocks, heads) for f in ("per_rank", "canonical")}
+        for op, save in (("save", True), ("load", False)):
+            times: dict[str, list[float]] = {f: [] for f in halves}
+            for r in range(rounds):
+                order = list(halves) if r % 4 in (0, 3) else list(halves)[::-1]  # ABBA BAAB
+                for f in order:
+                    times[f].append(_timed(halves[f], keys, save))
+            ratios = tuple(c / p for c, p in zip(times["canonical"], times["per_rank"], strict=True))
+            med = {f: statistics.median(t) for f, t in times.items()}
+            out.append(Cost(op, heads, med["per_rank"], med["canonical"], ratios))
+        for half in halves.values():
+            half.shutdown()
+    return out
+
+
+def run(quick: bool) -> list[BenchResult]:
+    """``kvdi bench canonical``: save and load, one section a block and a section a head."""
+    rounds, blocks = (4, 8) if quick else (10, 32)
+    results = []
+    for heads in (LAYOUT.num_kv_heads, 1):
+        for cost in measure(rounds, blocks, heads):
+            note = (
+                f"section_heads={heads}, {blocks} x 1 MiB nhc blocks on files; per round "
+                f"{min(cost.ratios):.2f}-{max(cost.ratios):.2f}x, {rounds} rounds"
+            )
+            metric = f"{cost.op} ({'a section a block' if heads > 1 else 'a section a head'})"
+            ms = (cost.canonical * 1e3, cost.per_rank * 1e3)
+            target = TARGET if heads > 1 else None
+            row = BenchResult("canonical", metric, "ms", *ms, "per-rank frames", cost.ratio, target, note, False)
+            results.append(row)
+    return results
+
+
+__all__ = ["LAYOUT", "TARGET", "Cost", "measure", "run"]
