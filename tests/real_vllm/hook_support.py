@@ -58,6 +58,12 @@ class Pair:
         self.scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, None)
         self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, None)
         self.threads = sorted(t.name for t in set(threading.enumerate()) - before)
+        if name != "noop":  # vLLM's worker registers its caches ([2, blocks, block size, KV heads, head dim])
+            import torch
+
+            blocks = 5 * n + 8  # the prompts' blocks (decode steps move none)
+            caches = {layer: torch.zeros(2, blocks, BLOCK, 2, 32) for layer in LAYERS}
+            self.worker.register_kv_caches(caches)
         self.name, self.n, self.step, self.ids = name, n, 0, [f"r{i}" for i in range(n)]
         self.pickle, self.unpickle = pickle_envelope, unpickle_envelope
         self._prefill()

@@ -129,3 +129,28 @@ def test_a_step_that_moves_nothing_shares_one_envelope_and_leaves_kvdis_worker_h
 def test_null_starts_no_thread(pairs: dict[str, Pair]) -> None:
     assert pairs["null"].threads == []
     assert not [t.name for t in threading.enumerate() if t.name.startswith("kvdi")]
+
+
+def test_a_store_halfs_empty_metadata_gets_the_shared_envelope_without_a_python_call() -> None:
+    """Before: the envelope compared kvdi's metadata with each empty kind through the dataclasses' ``__eq__``."""
+    from kvdi.connectors.base import BlockTransfer
+    from kvdi.connectors.store.scheduler import StoreTransferMetadata
+    from kvdi.integrations.vllm.envelopes import empty_envelope, moves_nothing
+
+    called: list[str] = []
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            called.append(frame.f_code.co_name)
+
+    inner = StoreTransferMetadata(async_save=True)  # a store half's step that moves nothing
+    sys.setprofile(count)
+    try:
+        shared = empty_envelope(inner)
+    finally:
+        sys.setprofile(None)
+    assert called == ["empty_envelope"]
+    assert moves_nothing(shared) and shared is not None and shared.inner == inner
+    assert pickle.loads(pickle.dumps(shared)) is shared
+    saving = StoreTransferMetadata(saves=(BlockTransfer("r", (1,), (b"k",)),), async_save=True)
+    assert empty_envelope(saving) is None

@@ -70,7 +70,7 @@ class KvdiConnectorMetadata(VllmConnectorMetadata):  # type: ignore[misc,unused-
             if self is shared:
                 return _envelope, (index,)
         for index, empty in enumerate(EMPTY_INNER):
-            if type(inner) is type(empty) and inner == empty:
+            if type(inner) is type(empty) and inner.__dict__ == empty.__dict__:
                 inner = index
                 break
         args = (inner, self.preempted, self.unheld, self.idle)
@@ -106,7 +106,8 @@ def empty_envelope(inner: KVConnectorMetadata | None) -> KvdiConnectorMetadata |
     int without comparing fields, and the worker sees by identity that the step moves nothing
     (:func:`moves_nothing`)."""
     for index, empty in enumerate(EMPTY_INNER):
-        if inner is empty or (type(inner) is type(empty) and inner == empty):
+        # Fields compared as the instances' dicts: no Python call (a dataclass's __eq__ is one, building tuples).
+        if inner is empty or (type(inner) is type(empty) and inner.__dict__ == empty.__dict__):
             return _EMPTY_ENVELOPES[index]
     return None
 
