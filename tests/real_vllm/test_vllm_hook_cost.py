@@ -154,3 +154,11 @@ def test_a_store_halfs_empty_metadata_gets_the_shared_envelope_without_a_python_
     assert pickle.loads(pickle.dumps(shared)) is shared
     saving = StoreTransferMetadata(saves=(BlockTransfer("r", (1,), (b"k",)),), async_save=True)
     assert empty_envelope(saving) is None
+
+
+def test_a_hook_of_the_other_role_still_raises_a_runtime_error_naming_both_roles(pairs: dict[str, Pair]) -> None:
+    pair = pairs["null"]
+    with pytest.raises(RuntimeError, match="built for the worker role was called as a scheduler"):
+        pair.worker.build_connector_meta(pair.outputs(1)[0])
+    with pytest.raises(RuntimeError, match="built for the scheduler role was called as a worker"):
+        pair.scheduler.save_kv_layer(LAYERS[0], None, None)

@@ -8,7 +8,9 @@ connector forwards vLLM's scheduler-role hooks here.
 
 A step costs kvdi the same whatever the number of running requests when none can move a block: kvdi's own
 halves plan only prompt blocks, so the tracker passes them only new, resumed and prompt-phase requests
-(:func:`prompt_steps_only`), and an envelope that carries nothing pickles to a few dozen bytes.
+(:func:`prompt_steps_only`); a step where every scheduled request decodes is not translated at all
+(:meth:`RequestTracker.quiet`), and its envelope is one shared object that pickles as a small int
+(:func:`.envelopes.empty_envelope`). ``docs/step-cost.md`` counts every hook's calls per step.
 """
 
 from __future__ import annotations
