@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,7 @@ class Server:
 
     def __init__(
         self, model: Path, log: Path, kv: dict[str, Any] | None, max_len: int, tree: Path = ROOT,
-        reserved_cpus: int | None = None,
+        reserved_cpus: int | None = None, extra: Sequence[str] = (),
     ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -116,7 +117,7 @@ class Server:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--dtype", "float32",
             "--max-model-len", str(max_len), "--block-size", str(BLOCK_SIZE), "--seed", "0",
-            "--disable-log-stats",
+            "--disable-log-stats", *extra,
         ]  # fmt: skip
         if kv is not None:
             command += ["--kv-transfer-config", json.dumps(kv)]
@@ -305,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name in order:
                     results.append(serve_one(name, repeat, rows, args, work, redis.url))
             if args.multi_turn:
+                args.redis_url = redis.url
                 from benchmarks.vllm.bench_serve_multi_turn import run_multi_turn
 
                 results.extend(run_multi_turn(configs, args, work, Server))

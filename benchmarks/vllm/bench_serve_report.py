@@ -86,8 +86,37 @@ def table(doc: dict[str, Any]) -> str:
         lines += ["", "kvdi worker counters per server: " + "; ".join(moved)]
     extra = [r for r in doc["results"] if "multi_turn" in r]
     for r in extra:
-        lines.append(f"multi-turn {r['config']} r{r['repeat']}: {r['multi_turn']}")
+        if isinstance(r["multi_turn"], str):
+            lines.append(f"multi-turn {r['config']} r{r['repeat']}: {r['multi_turn']}")
+    lines += multi_turn_table([r for r in extra if isinstance(r["multi_turn"], dict)])
     return "\n".join(lines)
+
+
+MULTI_TURN = (("ttft_p50_ms", "TTFT p50", " ms"), ("ttft_p90_ms", "TTFT p90", " ms"), ("run_s", "run", " s"))
+
+
+def multi_turn_table(results: list[dict[str, Any]]) -> list[str]:
+    """vLLM's multi-turn client: each configuration's figures over the do-nothing connector's of the same repeat."""
+    if not results:
+        return []
+    by_repeat: dict[int, dict[str, dict[str, float]]] = {}
+    for r in results:
+        by_repeat.setdefault(r["repeat"], {})[r["config"]] = r["multi_turn"]
+    lines = ["", f"{'multi-turn (cache < conversations)':32s}" + "".join(f"{label:>20s}" for _, label, _ in MULTI_TURN)]
+    base = [runs[BASELINE] for runs in by_repeat.values() if BASELINE in runs]
+    if base:
+        ms = "".join(f"{statistics.median(b[f] for b in base):.1f}{unit}".rjust(20) for f, _, unit in MULTI_TURN)
+        lines.append(f"{'  noop (absolute)':32s}{ms}")
+    for config in dict.fromkeys(r["config"] for r in results):
+        if config == BASELINE:
+            continue
+        cells = []
+        for figure, _, _ in MULTI_TURN:
+            values = [runs[config][figure] / runs[BASELINE][figure] for runs in by_repeat.values()
+                      if config in runs and runs.get(BASELINE, {}).get(figure)]  # fmt: skip
+            cells.append(f"{cell(values):>20s}")
+        lines.append(f"{'  ' + config:32s}" + "".join(cells))
+    return lines
 
 
 def main() -> None:

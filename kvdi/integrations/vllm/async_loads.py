@@ -33,7 +33,7 @@ class SchedulerLoads:
     def __init__(self) -> None:
         self.offered: set[str] = set()
         self.parked: set[str] = set()
-        self._unheld: list[str] = []
+        self.unheld: list[str] = []  # finished while parked, for the workers in the next metadata
 
     def offer(self, request_id: str, load_async: bool) -> None:
         """The lookup answered ``load_async`` for a non-empty hit (or not)."""
@@ -62,12 +62,12 @@ class SchedulerLoads:
         if request_id not in self.parked:
             return delay_free
         self.parked.discard(request_id)
-        self._unheld.append(request_id)
+        self.unheld.append(request_id)
         return False
 
     def take_unheld(self) -> tuple[str, ...]:
         """Ids finished while parked since the last call, for the workers."""
-        out, self._unheld = tuple(self._unheld), []
+        out, self.unheld = tuple(self.unheld), []
         return out
 
 
@@ -83,7 +83,7 @@ class WorkerLoads:
         self.loading: dict[str, dict[int, bytes]] = {}
         self.loaded: dict[str, dict[int, bytes]] = {}  # reported this step: their load errors come next
         self._received: set[str] = set()  # reported finished receiving, not yet finished
-        self._unheld: set[str] = set()
+        self.unheld_ids: set[str] = set()  # finished while parked, their end still to be reported
 
     def next_step(self, idle: bool) -> None:
         """A new engine step bound its metadata; ``idle`` when it schedules no tokens."""
@@ -111,16 +111,16 @@ class WorkerLoads:
             c.load_steps_4_or_more += 1
 
     def unheld(self, request_ids: Iterable[str]) -> None:
-        self._unheld.update(request_ids)
+        self.unheld_ids.update(request_ids)
 
     def reconcile(self, sending: set[str] | None, recving: set[str] | None) -> tuple[set[str], set[str]]:
         """The worker half's (finished sending, finished receiving) as vLLM must see them."""
         send, recv = set(sending or ()), set(recving or ())
         for rid in recv:
             self._received.add(rid)
-        for rid in send & self._unheld:
+        for rid in send & self.unheld_ids:
             send.discard(rid)
-            self._unheld.discard(rid)
+            self.unheld_ids.discard(rid)
             if rid in self._received:
                 self._received.discard(rid)  # vLLM freed it on that report
             else:

@@ -69,7 +69,7 @@ from kvdi.integrations.vllm.envelopes import KvdiConnectorMetadata, KvdiConnecto
 from kvdi.integrations.vllm.fleet.counters import FleetCounters
 from kvdi.integrations.vllm.fleet.events import KvdiKVEvents, SchedulerFleet, WorkerFleet, events_enabled
 from kvdi.integrations.vllm.fleet.prom import FleetConnectorStats, step_stats
-from kvdi.integrations.vllm.fleet.stats import AdapterStats, StatsFileWriter, StatsReporter, check_engine_id
+from kvdi.integrations.vllm.fleet.stats import AdapterStats, StatsFileWriter, StatsReporter, StepDeltas, check_engine_id
 from kvdi.integrations.vllm.groups import groups_from_vllm
 from kvdi.integrations.vllm.halves import open_hybrid, open_single
 from kvdi.integrations.vllm.layout import layout_from_vllm, rank_slice
@@ -133,6 +133,7 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
         self.counts = AdapterStats()
         self._reporter = StatsReporter(self.half.stats)
         self._counts_reporter = StatsReporter(self.counts)
+        self._deltas = StepDeltas(self._reporter, self._counts_reporter)
         self._stats_file: StatsFileWriter | None = None
         if self._stats_dir:
             role_name = role.name.lower()
@@ -140,8 +141,10 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
                 self._stats_dir, self._engine_id, role_name, self.half.name, self._counters
             )
         events_on = events_enabled(vllm_config)
-        self._scheduler_side: SchedulerSide | None = None
-        self._worker_side: WorkerSide | None = None
+        # The other role's side answers every access with a RuntimeError (:class:`_WrongRole`); the hooks reach
+        # their own side with no check of their own.
+        self._scheduler_side: SchedulerSide = cast(SchedulerSide, _WrongRole("worker", "scheduler"))
+        self._worker_side: WorkerSide = cast(WorkerSide, _WrongRole("scheduler", "worker"))
         self._fleet_counters: FleetCounters
         if worker:
             half = cast(WorkerConnector, self.half)
@@ -157,6 +160,7 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
                 sched, tracker, fleet, self._held_saves, self.counts, index, prefetcher
             )
             self._fleet_counters = fleet.counters
+        self._role_is_worker = worker
         self._closed = False
         groups = "; ".join(g.tag() for g in self.groups)
         logger.info(
@@ -171,16 +175,12 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
 
     @property
     def scheduler_side(self) -> SchedulerSide:
-        """The scheduler role's side (the one place that says this instance has that role)."""
-        if self._scheduler_side is None:
-            raise RuntimeError("KvdiConnector built for the worker role was called as a scheduler")
+        """The scheduler role's side (a RuntimeError on any use in the worker role)."""
         return self._scheduler_side
 
     @property
     def worker_side(self) -> WorkerSide:
-        """The worker role's side (the one place that says this instance has that role)."""
-        if self._worker_side is None:
-            raise RuntimeError("KvdiConnector built for the scheduler role was called as a worker")
+        """The worker role's side (a RuntimeError on any use in the scheduler role)."""
         return self._worker_side
 
     @property
@@ -195,32 +195,32 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvdi can load beyond ``num_computed_tokens``; None while a hit is prefetched (ask again)."""
-        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvdiConnectorMetadata:
-        return self.scheduler_side.build_connector_meta(scheduler_output)
+        return self._scheduler_side.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler_side.request_finished(request, block_ids)
+        return self._scheduler_side.request_finished(request, block_ids)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``SupportsHMA`` hook: :meth:`request_finished` with every group's blocks (kvdi needs none)."""
-        return self.scheduler_side.request_finished(request, list(block_ids[0]) if block_ids else [])
+        return self._scheduler_side.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self.scheduler_side.update_connector_output(connector_output)
+        self._scheduler_side.update_connector_output(connector_output)
 
     def has_pending_block_frees(self) -> bool:
         """True while a store connector holds blocks of finished requests for queued saves (see :mod:`.pending`)."""
         return self._held_saves.pending_block_frees()
 
     def has_pending_push_work(self) -> bool:
-        return self.scheduler_side.has_pending_push_work()
+        return self._scheduler_side.has_pending_push_work()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -229,7 +229,7 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
 
     def take_events(self) -> list[Any]:
         """vLLM's hook: kvdi's KV cache events since the last call (published with vLLM's own)."""
-        return self.scheduler_side.fleet.take_events()
+        return self._scheduler_side.fleet.take_events()
 
     def reset_cache(self) -> bool:
         """vLLM's hook (``reset_prefix_cache(reset_connector=True)``): stop offering what was stored before it."""
@@ -256,55 +256,66 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
     def unregister_kv_caches(self) -> None:
         """vLLM 0.33's hook before sleep (and ``discard(("kv_cache",))``): end every queued transfer of kvdi's half
         that touches the KV cache. The scheduler role registers nothing: nothing to do there."""
-        if self._worker_side is not None:
+        if self._role_is_worker:
             self._worker_side.unregister_kv_caches()
 
     def restore_kv_caches(self) -> None:
         """vLLM 0.33's hook after wake-up with the KV cache: kvdi's views address it again (same addresses)."""
-        if self._worker_side is not None:
+        if self._role_is_worker:
             self._worker_side.restore_kv_caches()
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self.worker_side.bind_connector_metadata(connector_metadata)
+        self._worker_side.bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
-        self.worker_side.clear_connector_metadata()
+        side = self._worker_side
+        if side.bound:  # kvdi's half got metadata this step
+            side.clear_connector_metadata()
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        self.worker_side.handle_preemptions(kv_connector_metadata)
+        self._worker_side.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.worker_side.start_load_kv()
+        self._worker_side.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker_side.wait_for_layer_load(layer_name)
+        """Per layer: nothing past one flag's check on a step that loads nothing."""
+        side = self._worker_side
+        if side.loads_due:
+            side.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        self.worker_side.save_kv_layer(layer_name)
+        """Per layer: nothing past one flag's check on a step that saves nothing."""
+        side = self._worker_side
+        if side.saves_due:
+            side.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        self.worker_side.wait_for_save()
+        self._worker_side.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker_side.get_finished(finished_req_ids)
+        return self._worker_side.get_finished(finished_req_ids)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """:meth:`get_finished`, and with several KV cache groups the requests whose load failed."""
-        sending, recving = self.worker_side.get_finished(finished_req_ids)
-        failed = self.worker_side.failed_requests(recving)
+        side = self._worker_side
+        sending, recving = side.get_finished(finished_req_ids)
+        if sending is None and recving is None and side.hybrid is None:
+            return KVConnectorTransferResults(set(), set(), set())
+        failed = side.failed_requests(recving)
         return KVConnectorTransferResults(set(sending or ()), set(recving or ()), failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.get_block_ids_with_load_errors()
+        return self._worker_side.get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> KvdiWorkerMetadata | None:
-        return self.worker_side.build_connector_worker_meta()
+        return self._worker_side.build_connector_worker_meta()
 
     def get_kv_connector_kv_cache_events(self) -> KvdiKVEvents | None:
         """vLLM's worker hook: this rank's landed, evicted and dropped blocks (by block key) since the last call."""
-        return self.worker_side.fleet.kv_cache_events()
+        return self._worker_side.fleet.kv_cache_events()
 
     # ---------------------------------------------------------------- both roles
 
@@ -315,12 +326,17 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
         where they moved wakes the stats file's writer thread (``kvdi_stats_dir``:
         :class:`.fleet.stats.StatsFileWriter`), which rewrites the file off the engine's thread.
         """
-        delta, extra = self._reporter.delta(), self._counts_reporter.delta()
-        entry = self._fleet_counters.entry({**delta, **extra} if delta and extra else delta or extra)
-        stats = step_stats(self.half.name, delta, extra, entry)
+        delta, extra = self._deltas.deltas()
+        counters = self._fleet_counters
+        missed = counters.lookup_miss_blocks != counters.reported_misses
+        if not (delta or extra or missed) and counters.unmoved_is_empty:
+            return None  # the scheduler's idle step: nothing read past the counters' two tuples
+        entry = counters.entry({**delta, **extra} if delta and extra else delta or extra)
+        if not (delta or extra or entry):
+            return None
         if self._stats_file is not None and (delta or extra):
             self._stats_file.stale()
-        return stats
+        return step_stats(self.half.name, delta, extra, entry)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
@@ -350,10 +366,20 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
             try:
                 if self._stats_file is not None:
                     self._stats_file.close()
-                if self._scheduler_side is not None:
+                if not self._role_is_worker:
                     self._scheduler_side.fleet.close()  # flushes the shared identity's publisher, if any
             finally:
                 SHARED.release(self._engine_id)
+
+
+class _WrongRole:
+    """Stands for the side of the role this connector was not built for: any use raises a RuntimeError."""
+
+    def __init__(self, built: str, called: str) -> None:
+        self._message = f"KvdiConnector built for the {built} role was called as a {called}"
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(self._message)
 
 
 __all__ = ["KvdiConnector"]

@@ -62,11 +62,15 @@ class KvdiConnectorMetadata(VllmConnectorMetadata):  # type: ignore[misc,unused-
     idle: bool = False
 
     def __reduce__(self) -> tuple[Any, tuple[object, ...]]:
-        """Pickled to the workers every step (vLLM's multiprocess executors): fields at their default are left
-        out, and an empty inner metadata of :data:`EMPTY_INNER` travels as its index."""
+        """Pickled to the workers every step (vLLM's multiprocess executors): an envelope of :func:`empty_envelope`
+        travels as its index alone (no comparison), other fields at their default are left out, and an empty
+        inner metadata of :data:`EMPTY_INNER` travels as its index."""
         inner: object = self.inner
+        for index, shared in enumerate(_EMPTY_ENVELOPES):
+            if self is shared:
+                return _envelope, (index,)
         for index, empty in enumerate(EMPTY_INNER):
-            if type(inner) is type(empty) and inner == empty:
+            if type(inner) is type(empty) and inner.__dict__ == empty.__dict__:
                 inner = index
                 break
         args = (inner, self.preempted, self.unheld, self.idle)
@@ -82,10 +86,35 @@ def _envelope(
     unheld: tuple[str, ...] = (),
     idle: bool = False,
 ) -> KvdiConnectorMetadata:
-    """Unpickles :class:`KvdiConnectorMetadata` (``inner`` an int: that empty metadata of :data:`EMPTY_INNER`)."""
+    """Unpickles :class:`KvdiConnectorMetadata` (``inner`` an int: that empty metadata of :data:`EMPTY_INNER`; alone,
+    the shared envelope of :func:`empty_envelope` itself, so the worker knows it at a glance)."""
     if isinstance(inner, int):
+        if not (preempted or unheld or idle):
+            return _EMPTY_ENVELOPES[inner]
         inner = EMPTY_INNER[inner]
     return KvdiConnectorMetadata(inner, preempted, unheld, idle)
+
+
+_EMPTY_ENVELOPES = tuple(KvdiConnectorMetadata(inner) for inner in EMPTY_INNER)
+EMPTY_ENVELOPE_IDS = frozenset(id(e) for e in _EMPTY_ENVELOPES)  # they live as long as this module
+
+
+def empty_envelope(inner: KVConnectorMetadata | None) -> KvdiConnectorMetadata | None:
+    """The shared envelope of a step that moves nothing with ``inner`` (kvdi's metadata of that step), or None when
+    ``inner`` is not empty or of no kind of :data:`EMPTY_INNER`. Nobody changes an envelope once built (vLLM binds
+    it, kvdi's worker reads it), so one per kind serves every such step: it is built once, pickles as one small
+    int without comparing fields, and the worker sees by identity that the step moves nothing
+    (:func:`moves_nothing`)."""
+    for index, empty in enumerate(EMPTY_INNER):
+        # Fields compared as the instances' dicts: no Python call (a dataclass's __eq__ is one, building tuples).
+        if inner is empty or (type(inner) is type(empty) and inner.__dict__ == empty.__dict__):
+            return _EMPTY_ENVELOPES[index]
+    return None
+
+
+def moves_nothing(meta: object) -> bool:
+    """Whether ``meta`` is one of the shared envelopes of :func:`empty_envelope` (a step that moves nothing)."""
+    return id(meta) in EMPTY_ENVELOPE_IDS
 
 
 @dataclass

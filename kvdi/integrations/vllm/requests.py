@@ -11,6 +11,9 @@ from typing import Any
 from kvdi.connectors.base import KVRequest, ScheduledRequest, SchedulerOutput
 from kvdi.connectors.store.keys import compose_salt
 
+_NO_IDS: frozenset[str] = frozenset()
+QUIET = SchedulerOutput(0, (), _NO_IDS)  # a quiet step's output (its step number aside), as the null half sees it
+
 
 def kv_request(request: Any) -> KVRequest:
     """kvdi's view of a vLLM ``Request``: id, prompt tokens, and a salt covering cache salt, LoRA and images.
@@ -93,14 +96,36 @@ class RequestTracker:
             mine.extend(new)
         self._block_tuples.pop(req_id, None)
 
+    def quiet(self, output: Any) -> bool:
+        """With :attr:`prompt_only`: whether vLLM's step ``output`` passes no request on (every scheduled request
+        decodes: none new, resumed, finished or in its prompt), decided without looking at any request. Such a
+        step is counted here (:attr:`step`) and must not be translated; :data:`QUIET` is kvdi's output of it."""
+        if (
+            self.prompt_only
+            and not self._settled
+            and not output.scheduled_new_reqs
+            and not output.scheduled_cached_reqs.resumed_req_ids
+            and not output.finished_req_ids
+            and not (self.in_prompt and self._in_prompt_scheduled(output.num_scheduled_tokens))
+        ):
+            self.step += 1
+            return True
+        return False
+
     def translate(self, output: Any) -> SchedulerOutput:
         """kvdi's SchedulerOutput of one vLLM step; updates block lists (new requests, growth, resumption)."""
+        if self.quiet(output):
+            return SchedulerOutput(self.step, (), _NO_IDS)
+        return self.translate_busy(output)
+
+    def translate_busy(self, output: Any) -> SchedulerOutput:
+        """:meth:`translate` of a step that is not :meth:`quiet` (asked already)."""
+        cached = output.scheduled_cached_reqs
         for req_id in self._settled:  # the half planned their last step: their block lists are of no more use
             if req_id not in self.in_prompt:
                 self._drop_blocks(req_id)
         self._settled = []
         scheduled: list[ScheduledRequest] = []
-        cached = output.scheduled_cached_reqs
         # Which of vLLM's scheduled cached requests to look at, by their index in its lists (before new ones join).
         picked = self._picked(cached, output.num_scheduled_tokens) if self.prompt_only else range(len(cached.req_ids))
         for new in output.scheduled_new_reqs:
@@ -127,6 +152,9 @@ class RequestTracker:
             self.forget(req_id)
         self.step += 1
         return SchedulerOutput(self.step, tuple(scheduled), finished)
+
+    def _in_prompt_scheduled(self, num_scheduled: Any) -> bool:
+        return any(r in num_scheduled for r in self.in_prompt)
 
     def _picked(self, cached: Any, num_scheduled: Any) -> list[int]:
         """prompt_only: indexes in ``cached`` of the resumed requests and those still in their prompt, in vLLM's

@@ -8,25 +8,29 @@ connector forwards vLLM's scheduler-role hooks here.
 
 A step costs kvdi the same whatever the number of running requests when none can move a block: kvdi's own
 halves plan only prompt blocks, so the tracker passes them only new, resumed and prompt-phase requests
-(:func:`prompt_steps_only`), and an envelope that carries nothing pickles to a few dozen bytes.
+(:func:`prompt_steps_only`); a step where every scheduled request decodes is not translated at all
+(:meth:`RequestTracker.quiet`), and its envelope is one shared object that pickles as a small int
+(:func:`.envelopes.empty_envelope`). ``docs/step-cost.md`` counts every hook's calls per step.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvdi.connectors.base import PrefetchingScheduler, SchedulerConnector
+from kvdi.connectors.base import PrefetchingScheduler, SchedulerConnector, SchedulerOutput
 from kvdi.connectors.null import NullSchedulerConnector
 from kvdi.connectors.p2p.scheduler import P2pSchedulerConnector
 from kvdi.connectors.store.scheduler import StoreSchedulerConnector
 from kvdi.integrations.vllm.async_loads import SchedulerLoads
 from kvdi.integrations.vllm.block_index import BlockIndex
-from kvdi.integrations.vllm.envelopes import KvdiConnectorMetadata, KvdiWorkerMetadata
+from kvdi.integrations.vllm.envelopes import EMPTY_INNER, KvdiConnectorMetadata, KvdiWorkerMetadata, empty_envelope
 from kvdi.integrations.vllm.fleet.events import SchedulerFleet
 from kvdi.integrations.vllm.fleet.stats import AdapterStats
 from kvdi.integrations.vllm.hybrid import HybridScheduler
 from kvdi.integrations.vllm.pending import HeldSaves
-from kvdi.integrations.vllm.requests import RequestTracker
+from kvdi.integrations.vllm.requests import QUIET, RequestTracker
+
+NULL_INNER = EMPTY_INNER[2]  # a plain empty BlockTransferMetadata, as the null half builds it
 
 
 class SchedulerSide:
@@ -55,6 +59,8 @@ class SchedulerSide:
         self._parked = SchedulerLoads()
         self._lookups = half.lookups if isinstance(half, StoreSchedulerConnector) else None  # background lookups
         self._idle_wait_s = half.context.settings.transfer.idle_load_wait_ms / 1e3
+        self._null = type(half) is NullSchedulerConnector  # plans nothing: not asked on a step with nothing to pass
+        self._null_envelope = empty_envelope(NULL_INNER) if self._null else None
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvdi can load beyond ``num_computed_tokens`` (vLLM's local prefix-cache hit; 0 for producers)."""
@@ -78,17 +84,31 @@ class SchedulerSide:
             self.half.update_state_after_alloc(req, list(ids[0]), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvdiConnectorMetadata:
-        """kvdi's metadata for this step, in vLLM's envelope."""
-        output = self._tracker.translate(scheduler_output)
-        if self._parked.parked:
-            self._parked.scheduled(s.request.request_id for s in output.scheduled)
-        preempted = tuple(str(r) for r in getattr(scheduler_output, "preempted_req_ids", None) or ())
-        inner = self.half.build_connector_meta(output)
-        self.fleet.planned(inner, output.finished_req_ids)
+        """kvdi's metadata for this step, in vLLM's envelope: the shared one of :func:`.envelopes.empty_envelope`
+        when the step moves nothing (nothing built, nothing compared when the pickle goes out). A step that passes
+        no request on (:meth:`RequestTracker.quiet`) is not translated; the null half is not even asked."""
+        tracker = self._tracker
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
         idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        if tracker.quiet(scheduler_output):
+            if self._null_envelope is not None and not (preempted or idle or self._parked.unheld):
+                return self._null_envelope  # what the null half answers for a step that schedules nothing
+            output = SchedulerOutput(tracker.step, (), QUIET.finished_req_ids)
+        else:
+            output = tracker.translate_busy(scheduler_output)
+            if self._parked.parked:
+                self._parked.scheduled(s.request.request_id for s in output.scheduled)
+        inner = NULL_INNER if self._null and not output.scheduled else self.half.build_connector_meta(output)
+        if output.finished_req_ids or self.fleet.events_on:
+            self.fleet.planned(inner, output.finished_req_ids)
         if idle and self._lookups is not None and self._idle_wait_s and self._lookups.pending:
             self._lookups.wait(self._idle_wait_s)  # nothing runs: wait for an answer (GIL released), not spin
-        return KvdiConnectorMetadata(inner, preempted, self._parked.take_unheld(), idle)
+        if not (preempted or idle or self._parked.unheld):
+            shared = empty_envelope(inner)
+            if shared is not None:
+                return shared
+        ids = tuple(str(r) for r in preempted or ())
+        return KvdiConnectorMetadata(inner, ids, self._parked.take_unheld(), idle)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Tell kvdi the request ended; returns kvdi's (delay_free, kv_transfer_params)."""
@@ -101,11 +121,16 @@ class SchedulerSide:
         return self.held_saves.finished(req.request_id, self._parked.finished(req.request_id, delay_free)), params
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """The workers' report: events for routers, finished prefetches, sent saves, stored and vanished keys."""
-        self.fleet.worker_events(connector_output)
+        """The workers' report: events for routers, finished prefetches, sent saves, stored and vanished keys
+        (a report of none of them: nothing to do)."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        events = getattr(connector_output, "kv_cache_events", None)
+        sent = getattr(connector_output, "finished_sending", None)
+        if not (meta or events or sent or getattr(connector_output, "failed_recving", None)):
+            return
+        self.fleet.worker_events(connector_output)
         self._prefetch_reported(meta.prefetched if isinstance(meta, KvdiWorkerMetadata) else ())
-        self.held_saves.sent(getattr(connector_output, "finished_sending", None))
+        self.held_saves.sent(sent)
         if self._hybrid is not None:  # recomputed from scratch: store them again
             self._hybrid.load_failed(getattr(connector_output, "failed_recving", None) or ())
         if self._index is not None and isinstance(meta, KvdiWorkerMetadata):
@@ -122,6 +147,8 @@ class SchedulerSide:
 
     def has_pending_push_work(self) -> bool:
         """Held saves still to be reported, or prefetch staging of ended requests still to be dropped."""
+        if self._prefetcher is None:
+            return bool(self.held_saves.held)
         prefetch = self._prefetcher.prefetch if self._prefetcher is not None else None
         return self.held_saves.pending_push_work(bool(prefetch is not None and prefetch.drops_due))
 

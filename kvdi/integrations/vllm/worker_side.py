@@ -32,7 +32,7 @@ from kvdi.connectors.base import (
 from kvdi.errors import ConfigError, KVLoadError
 from kvdi.integrations.vllm.async_loads import WorkerLoads
 from kvdi.integrations.vllm.bridge import LayoutBridge
-from kvdi.integrations.vllm.envelopes import KvdiConnectorMetadata, KvdiWorkerMetadata
+from kvdi.integrations.vllm.envelopes import EMPTY_ENVELOPE_IDS, KvdiConnectorMetadata, KvdiWorkerMetadata
 from kvdi.integrations.vllm.fleet.events import WorkerFleet
 from kvdi.integrations.vllm.fleet.stats import AdapterStats
 from kvdi.integrations.vllm.hybrid import HybridWorker
@@ -67,11 +67,13 @@ class WorkerSide:
         self._shape = shape
         self._index_mode = index_mode
         self._num_blocks = num_blocks
-        self._hybrid = half if isinstance(half, HybridWorker) else None
+        self.hybrid = half if isinstance(half, HybridWorker) else None
         self._prefetch_source = half if isinstance(half, PrefetchingWorker) else None
         self._async = WorkerLoads(counts, half.context.settings.transfer.idle_load_wait_ms / 1000)
         self._step_meta: BlockTransferMetadata | None = None
-        self._loads_due = self._saves_due = False
+        self.bound = False  # kvdi's half has this step's metadata (cleared after the step)
+        # Whether this step loads or saves: the connector reads them before forwarding the per-layer hooks.
+        self.loads_due = self.saves_due = False
         self._saves_pending = False  # this step's saves not yet handed to kvdi's half (see wait_for_save)
         self.asleep = False  # between vLLM's unregister_kv_caches and restore_kv_caches
         self._stored_keys: list[bytes] = []
@@ -84,8 +86,8 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map vLLM's layers to kvdi's ``layers.<i>`` and hand kvdi's worker half caches in kvdi's layout."""
-        if self._hybrid is not None:  # each group's half takes its own layers (vLLM's names)
-            self._hybrid.register_vllm_caches(kv_caches, self._num_blocks)
+        if self.hybrid is not None:  # each group's half takes its own layers (vLLM's names)
+            self.hybrid.register_vllm_caches(kv_caches, self._num_blocks)
             return
         names = ordered_layers(list(kv_caches))
         expected = self.layout.layer_names
@@ -106,31 +108,39 @@ class WorkerSide:
         )
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
-        """Hand kvdi's worker half this step's metadata; note whether the step loads or saves anything."""
-        self._step_meta, self._loads_due, self._saves_due = None, False, False
+        """Hand kvdi's worker half this step's metadata; note whether the step loads or saves anything. A step
+        that moves nothing (:func:`.envelopes.moves_nothing`, by identity) with no asynchronous load in flight
+        binds nothing: kvdi's half, which would get an empty metadata, is not called until a step moves a block."""
+        self._step_meta, self.loads_due, self.saves_due = None, False, False
         self._saves_pending = False
+        loads = self._async
+        if id(connector_metadata) in EMPTY_ENVELOPE_IDS and not loads.loading:  # moves_nothing(), inlined
+            loads.step += 1
+            loads.idle = False
+            return
         if not isinstance(connector_metadata, KvdiConnectorMetadata):
             return
-        self._async.next_step(connector_metadata.idle)
+        loads.next_step(connector_metadata.idle)
         if connector_metadata.unheld:
-            self._async.unheld(connector_metadata.unheld)
+            loads.unheld(connector_metadata.unheld)
         inner = connector_metadata.inner
         if inner is None:
             return
         if isinstance(inner, BlockTransferMetadata):
             self._step_meta = inner
-            self._saves_due = bool(inner.saves)
+            self.saves_due = bool(inner.saves)
             for t in self._async_loads_of(inner):  # end in a later step
-                self._async.started(t.request_id, t.block_ids, t.block_keys)
+                loads.started(t.request_id, t.block_ids, t.block_keys)
             # Async loads start here and finish in a later step's start_load_kv: call it until reported.
-            self._loads_due = bool(inner.loads) or bool(self._async.loading)
+            self.loads_due = bool(inner.loads) or bool(loads.loading)
         else:  # a connector with its own metadata (p2p): let it see every hook
-            self._loads_due = self._saves_due = True
-        self._saves_pending = self._saves_due
+            self.loads_due = self.saves_due = True
+        self._saves_pending = self.saves_due
         self.fleet.saw(inner)
         if isinstance(inner, BlockTransferMetadata) and self._shape.sliced:
             inner = self._shape.rekey(inner)  # this rank's slice of each block has its own key
         self.half.bind_connector_metadata(self._bridge.bind(inner) if self._bridge is not None else inner)
+        self.bound = True
 
     def _async_loads_of(self, inner: BlockTransferMetadata) -> tuple[BlockTransfer, ...]:
         """``inner.async_loads`` when its type has them; the protocol check (slow: it walks the protocol's members)
@@ -142,7 +152,10 @@ class WorkerSide:
         return cast(AsyncLoadMetadata, inner).async_loads if has else ()
 
     def clear_connector_metadata(self) -> None:
-        self.half.clear_connector_metadata()
+        """Clear kvdi's half's metadata after the step (nothing to clear when this step bound none)."""
+        if self.bound:
+            self.bound = False
+            self.half.clear_connector_metadata()
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Finish the queued transfers of requests vLLM preempted this step, before the forward pass
@@ -156,7 +169,7 @@ class WorkerSide:
 
     def start_load_kv(self) -> None:
         """Run kvdi's loads for this step into vLLM's paged cache (nothing when the step loads nothing)."""
-        if not self._loads_due:
+        if not self.loads_due:
             return
         if self._bridge is not None:
             self._bridge.load(self._start_load)  # through scratch: round by round
@@ -170,11 +183,11 @@ class WorkerSide:
             logger.warning("kvdi load failed: %s", exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._loads_due:
+        if self.loads_due:
             self.half.wait_for_layer_load(self._layer_names.get(layer_name, layer_name))
 
     def save_kv_layer(self, layer_name: str) -> None:
-        if not self._saves_due:
+        if not self.saves_due:
             return
         kvdi_name = self._layer_names.get(layer_name)
         if kvdi_name is not None:
@@ -198,9 +211,15 @@ class WorkerSide:
         """Requests whose asynchronous saves and loads ended; the step's saves are queued first when vLLM asks
         before ``wait_for_save`` (0.33's deferred finalize), so no request is reported sent before its last save
         was even queued."""
-        self.wait_for_save()
-        wait_on(self._load_waiters, self._async)  # an empty step: let the loader have the GIL a while
-        sending, recving = self._async.reconcile(*self.half.get_finished(finished_req_ids))
+        if self._saves_pending:
+            self.wait_for_save()
+        loads = self._async
+        if loads.idle and self._load_waiters:
+            wait_on(self._load_waiters, loads)  # an empty step: let the loader have the GIL a while
+        sending, recving = self.half.get_finished(finished_req_ids)
+        if not (sending or recving or loads.unheld_ids):
+            return None, None
+        sending, recving = loads.reconcile(sending, recving)
         return sending or None, recving or None
 
     def unregister_kv_caches(self) -> None:
@@ -217,7 +236,7 @@ class WorkerSide:
 
     def failed_requests(self, recving: set[str] | None) -> set[str]:
         """With several KV cache groups, the requests reported received now whose load failed."""
-        return self._hybrid.take_failed(recving or ()) if self._hybrid is not None else set()
+        return self.hybrid.take_failed(recving or ()) if self.hybrid is not None else set()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM block ids whose kvdi load failed (missing, corrupt, foreign); vLLM recomputes or fails them."""
@@ -229,7 +248,8 @@ class WorkerSide:
             for t in self._step_meta.loads if self._step_meta is not None else ():
                 keys.update(zip(t.block_ids, t.block_keys, strict=True))
             self._dropped_keys.extend(keys[b] for b in errors if b in keys)
-        self._async.loaded.clear()
+        if self._async.loaded:
+            self._async.loaded.clear()
         return errors
 
     def build_connector_worker_meta(self) -> KvdiWorkerMetadata | None:

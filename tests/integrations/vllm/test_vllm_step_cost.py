@@ -1,4 +1,4 @@
-"""What kvdi's scheduler side does per engine step, counted (never timed), without vLLM.
+"""What kvdi's scheduler side and counters do per engine step, counted (never timed), without vLLM.
 
 An engine step where every running request decodes moves no block: the tracker and kvdi's
 store scheduler half must do the same work for 1 running request as for 200 (calls of their
@@ -8,15 +8,19 @@ are passed on until the step that computes their prompt's end, then settle.
 
 from __future__ import annotations
 
+import gc
 import pickle
+import sys
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from kvdi.connectors.base import KVRequest
+from kvdi.connectors.base import ConnectorStats, KVRequest
 from kvdi.connectors.store import StoreSchedulerConnector, StoreTransferMetadata
+from kvdi.integrations.vllm.fleet.counters import FleetCounters
+from kvdi.integrations.vllm.fleet.stats import AdapterStats, StatsReporter, StepDeltas
 from kvdi.integrations.vllm.requests import RequestTracker
 from tests.helpers.store import DictStore, Engine, make_settings, small_layout
 
@@ -152,3 +156,70 @@ def test_without_prompt_only_every_scheduled_request_is_passed_on() -> None:
     tracker.translate(_output([_new("a", [1, 2, 3])], [], {"a": PROMPT}))
     out = tracker.translate(_output([], [("a", None, PROMPT)], {"a": 1}))
     assert [s.request.request_id for s in out.scheduled] == ["a"]
+
+
+def nested_calls(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[str]]:
+    """``fn(*args)`` and the Python functions it called (itself left out), counted with ``sys.setprofile``."""
+    called: list[str] = []
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            called.append(frame.f_code.co_name)
+
+    gc.disable()  # a collection's callbacks are no call of fn's
+    sys.setprofile(count)
+    try:
+        result = fn(*args)
+    finally:
+        sys.setprofile(None)
+        gc.enable()
+    return result, called[1:]
+
+
+def test_a_decode_step_of_200_requests_is_quiet_without_looking_at_any_request() -> None:
+    """Before: every step was translated (a SchedulerOutput built, the tracker's helpers run, a frozenset built)."""
+    sched = running(200)
+    decoding = [(f"r{i}", None, PROMPT + 1) for i in range(200)]
+    sched.step(_output([], decoding, {f"r{i}": 1 for i in range(200)}))  # settles the prompts' block lists
+    step = sched.tracker.step
+    quiet, called = nested_calls(sched.tracker.quiet, _output([], decoding, {f"r{i}": 1 for i in range(200)}))
+    assert quiet and called == [] and sched.tracker.step == step + 1
+
+
+@pytest.mark.parametrize("change", ["new", "resumed", "finished", "in-prompt"])
+def test_a_step_with_a_request_to_pass_on_is_not_quiet(change: str) -> None:
+    sched = running(3)
+    sched.step(_output([], [(f"r{i}", None, PROMPT + 1) for i in range(3)], {f"r{i}": 1 for i in range(3)}))
+    cached = [(f"r{i}", None, PROMPT + 2) for i in range(3)]
+    scheduled = {f"r{i}": 1 for i in range(3)}
+    output = _output([], cached, scheduled)
+    if change == "new":
+        sched.admit("n", [50, 51, 52])
+        output = _output([_new("n", [50, 51, 52])], cached, {**scheduled, "n": PROMPT})
+    elif change == "resumed":
+        output = _output([], cached, scheduled, resumed={"r1"})
+    elif change == "finished":
+        output.finished_req_ids = {"r2"}
+    else:
+        sched.admit("p", [60, 61, 62])
+        sched.step(_output([_new("p", [60, 61, 62])], cached, {**scheduled, "p": 4}))  # a chunk of its prompt
+        output = _output([], [*cached, ("p", None, 4)], {**scheduled, "p": 4})
+    assert not sched.tracker.quiet(output)
+
+
+def test_counters_that_did_not_move_are_answered_without_another_python_call() -> None:
+    """Before: each reporter built a snapshot tuple in a helper, and the Prometheus entry read every gauge source
+    (even none) through two more helpers, every step on both roles."""
+    half_stats, adapter = ConnectorStats(), AdapterStats()
+    deltas = StepDeltas(StatsReporter(half_stats), StatsReporter(adapter))
+    assert nested_calls(deltas.deltas) == ((None, None), [])
+    assert nested_calls(StatsReporter(adapter).delta) == (None, [])
+    counters = FleetCounters("scheduler", "0-0", None)  # a half with no gauge (the null half)
+    assert counters.unmoved_is_empty
+    assert nested_calls(counters.entry, None) == (None, [])
+    adapter.finished_sending += 2
+    half_stats.lookups += 1
+    assert deltas.deltas() == ({"lookups": 1}, {"finished_sending": 2})
+    assert deltas.deltas() == (None, None)
+    counters.looked_up(prompt_tokens=9, num_computed_tokens=0, matched_tokens=0, block_size=4)
+    assert counters.entry(None) == {"c|scheduler|lookup_miss_blocks": 2}

@@ -45,12 +45,15 @@ class FleetCounters:
         self.role = role
         self.rank = rank
         self.lookup_miss_blocks = 0
-        self._reported_misses = 0
+        self.reported_misses = 0
         self._gauges: dict[str, float] = {}
         self._gauged = half if isinstance(half, WorkerGauges) else None
         self._health = health_checks(half.store) if isinstance(half, StoreHalf) else []
         rule = getattr(half, "deadline", None)
         self._deadline = rule if isinstance(rule, DeadlineRule) and rule.enabled else None
+        self._gauges_due = bool(self._gauged is not None or self._deadline is not None or self._health)
+        # No counter moved, no miss counted since the last entry: this entry is None (a subclass may add more).
+        self.unmoved_is_empty = type(self) is FleetCounters and not self._gauges_due
 
     def looked_up(self, prompt_tokens: int, num_computed_tokens: int, matched_tokens: int, block_size: int) -> None:
         """Count the blocks a lookup asked for and did not get (scheduler role)."""
@@ -58,17 +61,19 @@ class FleetCounters:
         self.lookup_miss_blocks += max(asked - max(matched_tokens, 0) // block_size, 0)
 
     def entry(self, delta: dict[str, int | float] | None) -> dict[str, Any] | None:
-        """The :data:`PROM_KEY` entry of this step (None when nothing changed)."""
+        """The :data:`PROM_KEY` entry of this step (None when nothing changed: at once, with no gauge to read)."""
+        if not (delta or self._gauges_due or self.lookup_miss_blocks != self.reported_misses):
+            return None
         out: dict[str, Any] = {}
         for name, value in (delta or {}).items():
             if name in HISTOGRAM_COUNTERS:
                 out[f"h|{self.role}|{name}"] = [value]
             else:
                 out[f"c|{self.role}|{name}"] = value
-        misses = self.lookup_miss_blocks - self._reported_misses
+        misses = self.lookup_miss_blocks - self.reported_misses
         if misses:
             out[f"c|{self.role}|lookup_miss_blocks"] = misses
-            self._reported_misses = self.lookup_miss_blocks
+            self.reported_misses = self.lookup_miss_blocks
         for gauge, value in self._gauge_values().items():
             if self._gauges.get(gauge) != value:
                 self._gauges[gauge] = value

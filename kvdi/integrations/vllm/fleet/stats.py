@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable
 from operator import attrgetter
 from pathlib import Path
+from typing import cast
 
 from kvdi.connectors.base import ConnectorStats
 from kvdi.errors import ConfigError
@@ -87,7 +88,7 @@ class StatsReporter:
         self.stats = stats
         self.names = tuple(f.name for f in dataclasses.fields(stats))
         self._read = attrgetter(*self.names)
-        self._reported: tuple[int | float, ...] = self.snapshot()
+        self._reported: object = self._read(stats)  # as read: a tuple, or the value itself for one counter
 
     def snapshot(self) -> tuple[int | float, ...]:
         """The counters now, in :attr:`names` order."""
@@ -95,17 +96,36 @@ class StatsReporter:
         return values if isinstance(values, tuple) else (values,)
 
     def delta(self) -> dict[str, int | float] | None:
-        """Counters that changed since the last call (name -> increase), or None when none did."""
-        now = self.snapshot()
+        """Counters that changed since the last call (name -> increase), or None when none did (one read and one
+        comparison, no Python call)."""
+        now = self._read(self.stats)
         before = self._reported
         if now == before:
             return None
         self._reported = now
-        return {name: new - old for name, new, old in zip(self.names, now, before, strict=True) if new != old}
+        if not isinstance(now, tuple):
+            return {self.names[0]: cast(float, now) - cast(float, before)}
+        old = cast(tuple[float, ...], before)
+        return {name: new - was for name, new, was in zip(self.names, now, old, strict=True) if new != was}
 
     def as_dict(self) -> dict[str, int | float]:
         """Cumulative counters by name."""
         return dict(zip(self.names, self.snapshot(), strict=True))
+
+
+class StepDeltas:
+    """The deltas of two :class:`StatsReporter` (kvdi's half and the adapter) in one call: ``(None, None)`` at once
+    when no counter of either moved (two reads and two comparisons, no other Python call)."""
+
+    def __init__(self, half: StatsReporter, adapter: StatsReporter) -> None:
+        self._half = half
+        self._adapter = adapter
+
+    def deltas(self) -> tuple[dict[str, int | float] | None, dict[str, int | float] | None]:
+        half, adapter = self._half, self._adapter
+        if half._read(half.stats) == half._reported and adapter._read(adapter.stats) == adapter._reported:
+            return None, None
+        return half.delta(), adapter.delta()
 
 
 def write_stats_file(
