@@ -101,3 +101,14 @@ def test_the_round_trip_estimate_is_a_clamped_median_of_a_bounded_window() -> No
     assert len(rtt.recent) == RTT_WINDOW and rtt.samples == RTT_WINDOW + 5 and rtt.floor is None
     assert rtt.value == pytest.approx(0.01 + (5 + RTT_WINDOW // 2) * 1e-4)
     assert rtt.add(0.0, replace=True) == 1e-3 and len(rtt.recent) == 1
+
+
+def test_a_deadline_allows_a_jittered_store_its_usual_slow_answers_and_a_steady_store_4x_its_round_trip() -> None:
+    steady, jittered = _rule(), _rule()
+    for seconds in (0.080, 0.010, 0.009, 0.085, 0.011):  # 40 ms one way, twice in 10 round trips
+        jittered.answered(seconds)
+    assert jittered.model.rtt.value == pytest.approx(0.011)  # the estimate the lookup decisions use: unmoved
+    assert jittered.deadline_s(HIT_TOKENS) == pytest.approx(0.1)  # 4 x 80 ms: the 100 ms budget is sooner
+    assert jittered.deadline_s(HIT_TOKENS, 10_000) == pytest.approx(0.1)
+    assert steady.deadline_s(HIT_TOKENS) == pytest.approx(4 * 0.011)  # 4 x its second slowest: a 50 ms store is caught
+    assert steady.deadline_s(HIT_TOKENS, 10_000) == pytest.approx(4 * (0.011 + 0.01))

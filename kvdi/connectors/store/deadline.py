@@ -24,7 +24,8 @@ clamped to bounds. :class:`DeadlineRule` applies the rule, with ``margin`` = ``s
   recomputing its tokens is not offered (``deadline_refused``);
 - a prefetch (or a background lookup) still running ``deadline_s`` after it was asked for is abandoned:
   ``margin`` x recomputing, or :data:`OUTLIER` x what it was expected to take if that is sooner (a store
-  that turned slow costs a few expected round trips, not a recompute), at least :data:`MIN_DEADLINE_S`;
+  that turned slow costs a few expected round trips, not a recompute; expected at the slow end of recent round
+  trips, so a jittered store's usual outliers are not overruns), at least :data:`MIN_DEADLINE_S`;
   the request computes, the late bytes land in host staging that is dropped, never in a KV block
   (``deadline_recomputes``), and the round trip estimate rises to at least the time it ran, so the next
   lookups are skipped until the store answers faster (a probe).
@@ -196,7 +197,7 @@ class DeadlineRule:
             return float("inf")
         if self.suspect:
             return 0.0  # another wait on this store overran and it has not answered since: stop waiting now
-        expected = self.model.rtt.value if nbytes is None else self.model.load_s(nbytes)
+        expected = self.model.rtt.tail if nbytes is None else self.model.load_s(nbytes, tail=True)
         if expected is not None:
             budget = min(budget, OUTLIER * expected)
         return max(budget, MIN_DEADLINE_S)

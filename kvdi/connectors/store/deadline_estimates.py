@@ -12,6 +12,8 @@ lookups and hits would have paid off. So:
   answered; the estimate stays at least that until the store answers faster, a fall believed at once), and from
   samples when it is sustained: :data:`SHIFT_SAMPLES` samples in a row beyond :data:`SHIFT` x the median of the ones
   before them (a store that moved, slower or faster) restart the window from them;
+- a deadline (how long a lookup or a load may run before it is abandoned) is measured from the slow end of recent
+  round trips (:attr:`RoundTrips.tail`), not the median: a jittered store's usual outlier is not an overrun;
 - the prober (:meth:`.deadline.DeadlineRule.probe`) asks again at once while its sample is beyond :data:`SHIFT` x
   the estimate (:attr:`RoundTrips.unsettled`), so an idle engine believes a store that moved within a few round
   trips, and a jittered probe's outlier is outvoted by the next ones.
@@ -83,6 +85,17 @@ class RoundTrips:
         if self.floor is None:
             return median
         return self.floor if median is None else max(median, self.floor)
+
+    @property
+    def tail(self) -> float | None:
+        """The slow end of recent round trips (the second slowest in the window, the slowest of fewer than 3), at
+        least the estimate: how long a lookup may run on this store, jitter included, without it having turned slow
+        (a deadline's measure; a jittered store's outliers are its usual tail, not a stall)."""
+        value = self.value
+        if value is None or not self.recent:
+            return value
+        ordered = sorted(self.recent)
+        return max(value, ordered[-2] if len(ordered) >= 3 else ordered[-1])
 
     @property
     def unsettled(self) -> bool:
@@ -157,9 +170,10 @@ class CostModel:
         rate = self.prefill.value
         return None if rate is None else max(tokens, 0) / rate
 
-    def load_s(self, nbytes: int) -> float | None:
-        """Seconds to load ``nbytes``: a round trip and the bytes at the throughput; None until both are measured."""
-        rtt = self.rtt.value
+    def load_s(self, nbytes: int, tail: bool = False) -> float | None:
+        """Seconds to load ``nbytes``: a round trip (``tail``: at the slow end of recent ones, :attr:`RoundTrips.tail`)
+        and the bytes at the throughput; None until both are measured."""
+        rtt = self.rtt.tail if tail else self.rtt.value
         if rtt is None or self.throughput.value is None:
             return None
         return rtt + nbytes / self.throughput.value
