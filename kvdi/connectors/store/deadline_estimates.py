@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,13 +74,14 @@ class RoundTrips:
 
     def __init__(self, low: float = RTT_BOUNDS[0], high: float = RTT_BOUNDS[1]) -> None:
         self.low, self.high = low, high
-        self.recent: deque[float] = deque(maxlen=RTT_WINDOW)
+        self.recent: tuple[float, ...] = ()  # the window, replaced whole: readers on other threads see one or the other
         self.floor: float | None = None  # set by an overrun, cleared by an answer faster than it
         self.samples = 0
 
     @property
     def value(self) -> float | None:
-        median = statistics.median(self.recent) if self.recent else None
+        recent = self.recent
+        median = statistics.median(recent) if recent else None
         if self.floor is None:
             return median
         return self.floor if median is None else max(median, self.floor)
@@ -91,34 +91,33 @@ class RoundTrips:
         """The slow end of recent round trips (the second slowest in the window, the slowest of fewer than 3), at
         least the estimate: how long a lookup may run on this store, jitter included, without it having turned slow
         (a deadline's measure; a jittered store's outliers are its usual tail, not a stall)."""
-        value = self.value
-        if value is None or not self.recent:
+        value, recent = self.value, self.recent
+        if value is None or not recent:
             return value
-        ordered = sorted(self.recent)
+        ordered = sorted(recent)
         return max(value, ordered[-2] if len(ordered) >= 3 else ordered[-1])
 
     @property
     def unsettled(self) -> bool:
         """The newest sample lies beyond :data:`SHIFT` x the estimate: one more sample tells an outlier from a shift."""
-        value = self.value
-        return bool(self.recent) and value is not None and _beyond(self.recent[-1], value)
+        value, recent = self.value, self.recent
+        return bool(recent) and value is not None and _beyond(recent[-1], value)
 
     def add(self, sample: float, replace: bool = False) -> float:
         """Fold ``sample`` in (``replace``: the estimate becomes the sample); the new estimate."""
         clamped = min(max(float(sample), self.low), self.high)
         if replace:
-            self.recent.clear()
-            self.floor = None
+            self.recent, self.floor = (), None
         if self.floor is not None and clamped < self.floor:
             self.floor = None  # the store answered faster than the wait that overran: believed at once
-        self.recent.append(clamped)
+        window = (*self.recent, clamped)[-RTT_WINDOW:]
         self.samples += 1
-        if len(self.recent) > SHIFT_SAMPLES:
-            window = list(self.recent)
+        if len(window) > SHIFT_SAMPLES:
             before = statistics.median(window[:-SHIFT_SAMPLES])
             last = window[-SHIFT_SAMPLES:]
             if all(s > SHIFT * before for s in last) or all(s * SHIFT < before for s in last):
-                self.recent = deque(last, maxlen=RTT_WINDOW)  # sustained: the store moved
+                window = last  # sustained: the store moved
+        self.recent = window
         value = self.value
         assert value is not None
         return value
