@@ -62,10 +62,6 @@ def test_an_estimate_starts_at_its_first_sample_clamps_and_moves_by_alpha() -> N
     assert e.add(20.0) == 15.0
     assert e.add(1e9) == 57.5  # clamped to 100 first
     assert e.add(0.0, replace=True) == 1.0 and e.samples == 4
-    rtt = CostModel(Clock()).rtt
-    rtt.add(0.01)
-    assert rtt.add(0.11) == pytest.approx(0.07)  # slower: believed at once (0.6)
-    assert rtt.add(0.02) == pytest.approx(0.06)  # faster: slowly (0.2)
 
 
 def test_the_prefill_rate_comes_from_prefill_steps_only() -> None:
@@ -138,7 +134,7 @@ def test_an_overrun_raises_the_round_trip_and_a_probe_brings_it_back() -> None:
     seconds = rule.probe()  # the store answers again (a dict: microseconds)
     assert seconds is not None and rule.model.rtt.value == max(seconds, 1e-6)
     rule.step(0)
-    assert rule.stats.deadline_probes == 1 and not rule.skip_lookup(16)
+    assert rule.stats.deadline_probes == 2 and not rule.skip_lookup(16)  # its first answer, far below 1 ms: asked again
 
 
 def test_a_probe_runs_in_the_background_at_most_once_per_interval() -> None:
@@ -146,7 +142,7 @@ def test_a_probe_runs_in_the_background_at_most_once_per_interval() -> None:
     store.lookup_gate = threading.Event()  # the probe is in flight until set
     rule = DeadlineRule(store, "t", DeadlineStats(), enabled=True, clock=(clock := Clock()))
     rule.model.prefill.add(1000.0)
-    rule.model.round_trip(1.0)
+    rule.model.at_least(1.0)  # a wait overran: lookups are skipped until the store answers faster
     assert rule.skip_lookup(16) and rule.skip_lookup(16)  # one probe for two skips
     store.lookup_gate.set()
     for _ in range(1000):
@@ -155,7 +151,7 @@ def test_a_probe_runs_in_the_background_at_most_once_per_interval() -> None:
         threading.Event().wait(0.01)
     assert store.lookups == 1 and not rule._probing
     assert not rule.skip_lookup(16)  # the probe answered fast: the store is asked again
-    rule.model.round_trip(1.0, replace=True)
+    rule.model.at_least(1.0)
     assert rule.skip_lookup(16) and store.lookups == 1  # skipped again within the interval: no probe
     clock.now += PROBE_INTERVAL_S
     assert rule.skip_lookup(16)

@@ -11,24 +11,28 @@ store and its engine, from kvdi's own measurements:
   to the next step (:meth:`CostModel.step`, the scheduler half's ``build_connector_meta``), taken
   from steps of at least :data:`MIN_STEP_TOKENS`. Until it is measured the rule refuses nothing.
 
-Each estimate is an exponentially weighted moving average (:class:`Ewma`), each sample clamped to
-bounds. :class:`DeadlineRule` applies the rule, with ``margin`` = ``scheduler.load_deadline_margin``:
+The estimates live in :mod:`.deadline_estimates`: the throughput and the prefill rate are exponentially weighted
+moving averages; the round trip is the median of recent samples, which a jittered store's lone slow answer does not
+move (a rise is believed at once only from an overrun, or once it persists: :class:`RoundTrips`). Each sample is
+clamped to bounds. :class:`DeadlineRule` applies the rule, with ``margin`` = ``scheduler.load_deadline_margin``:
 
 - a lookup whose expected round trip, plus the expected load of a whole hit (once the throughput is measured),
   costs more than ``margin`` x recomputing the request's uncached prompt is not made: the answer is 0 at once
   (``lookups_skipped``); while lookups are skipped a probe (one lookup of a key no store holds) runs in the
-  background at most every :data:`PROBE_INTERVAL_S`, its round trip replacing the estimate, so a store that
-  recovers is used again;
+  background at most every :data:`PROBE_INTERVAL_S`, so a store that recovers is used again;
 - a hit whose expected load (a round trip and its bytes at the throughput) costs more than ``margin`` x
   recomputing its tokens is not offered (``deadline_refused``);
 - a prefetch (or a background lookup) still running ``deadline_s`` after it was asked for is abandoned:
   ``margin`` x recomputing, or :data:`OUTLIER` x what it was expected to take if that is sooner (a store
-  that turned slow costs a few expected round trips, not a recompute), at least :data:`MIN_DEADLINE_S`;
+  that turned slow costs a few expected round trips, not a recompute; expected at the slow end of recent round
+  trips, so a jittered store's usual outliers are not overruns), at least :data:`MIN_DEADLINE_S`;
   the request computes, the late bytes land in host staging that is dropped, never in a KV block
   (``deadline_recomputes``), and the round trip estimate rises to at least the time it ran, so the next
-  lookups are skipped until a probe is fast.
+  lookups are skipped until the store answers faster (a probe).
 
-A round-trip sample above the estimate weighs :data:`ALPHA_UP` (a store that turns slow is believed at once).
+A probe whose round trip lies beyond :data:`~.deadline_estimates.SHIFT` x the estimate asks again at once (at most
+:data:`~.deadline_estimates.SHIFT_SAMPLES` probes in all): a store that moved is believed within a few round trips,
+a jittered outlier is outvoted.
 
 Cold start and idle engines: :meth:`DeadlineRule.start` (the scheduler half, once its lookups run in the background:
 a remote store) starts a background thread that probes the store at once and again whenever no round trip was
@@ -57,22 +61,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdi.connectors.base import ConnectorStats
+from kvdi.connectors.store.deadline_estimates import MIN_STEP_TOKENS, SHIFT_SAMPLES, CostModel, Ewma, RoundTrips
 from kvdi.connectors.store.keys import KEY_BYTES
 from kvdi.connectors.store.protocol import BlockStore
 
 logger = logging.getLogger(__name__)
-
-ALPHA = 0.2
-"""Weight of a new sample in each running estimate."""
-
-ALPHA_UP = 0.6
-"""Weight of a round-trip sample above the estimate: a store that turns slow is believed at once, a fast one slowly."""
-
-MIN_STEP_TOKENS = 32
-"""Engine steps that scheduled fewer tokens (decode steps) tell little of the prefill rate: not sampled."""
-
-MAX_STEP_S = 30.0
-"""A gap between steps longer than this is an idle engine, not a step: not sampled."""
 
 MIN_DEADLINE_S = 0.02
 """No prefetch or background lookup is abandoned sooner than this (it absorbs an engine step's granularity)."""
@@ -86,10 +79,6 @@ PROBE_INTERVAL_S = 2.0
 REFRESH_S = 0.5
 """With the background prober started (:meth:`DeadlineRule.start`), the store is probed when no round trip was
 sampled for this long (an idle engine's estimate stays fresh: one cheap lookup of a missing key per interval)."""
-
-RTT_BOUNDS = (1e-6, 600.0)
-THROUGHPUT_BOUNDS = (1e3, 1e12)
-PREFILL_BOUNDS = (10.0, 1e8)
 
 
 @dataclass
@@ -106,80 +95,6 @@ class DeadlineStats(ConnectorStats):
         mine, theirs = self.as_dict(), other.as_dict()
         values: dict[str, Any] = {k: mine[k] + theirs.get(k, 0) for k in mine}
         return DeadlineStats(**values)
-
-
-@dataclass
-class Ewma:
-    """A running estimate: each sample clamped to ``[low, high]``, then weighted ``alpha`` (``up`` when above the
-    estimate; the first one whole)."""
-
-    low: float
-    high: float
-    alpha: float = ALPHA
-    up: float | None = None
-    value: float | None = None
-    samples: int = 0
-
-    def add(self, sample: float, replace: bool = False) -> float:
-        """Fold ``sample`` in (``replace``: the estimate becomes the sample); the new estimate."""
-        clamped = min(max(float(sample), self.low), self.high)
-        old = self.value
-        alpha = self.up if self.up is not None and old is not None and clamped > old else self.alpha
-        self.value = clamped if old is None or replace else old + alpha * (clamped - old)
-        self.samples += 1
-        return self.value
-
-
-class CostModel:
-    """One store's round trip and throughput, and its engine's prefill rate, from kvdi's own measurements."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self.rtt = Ewma(*RTT_BOUNDS, up=ALPHA_UP)
-        self.throughput = Ewma(*THROUGHPUT_BOUNDS)
-        self.prefill = Ewma(*PREFILL_BOUNDS)
-        self._step_at: float | None = None
-        self._step_tokens = 0
-
-    def round_trip(self, seconds: float, replace: bool = False) -> None:
-        self.rtt.add(seconds, replace)
-
-    def at_least(self, seconds: float) -> None:
-        """A call ran ``seconds`` and had not answered: the round trip is at least that."""
-        if self.rtt.value is None or self.rtt.value < seconds:
-            self.rtt.add(seconds, replace=True)
-
-    def transfer(self, nbytes: int, seconds: float) -> None:
-        """A load of ``nbytes`` took ``seconds`` as a waiting request saw it (its round trip included)."""
-        if nbytes > 0 and seconds > 0:
-            self.throughput.add(nbytes / max(seconds - (self.rtt.value or 0.0), seconds / 10))
-
-    def step(self, tokens: int) -> None:
-        """An engine step scheduled ``tokens`` now: the previous step's tokens over the time since it, a sample."""
-        now = self.clock()
-        if self._step_at is not None and self._step_tokens >= MIN_STEP_TOKENS and 0 < now - self._step_at <= MAX_STEP_S:
-            self.prefill.add(self._step_tokens / (now - self._step_at))
-        self._step_at, self._step_tokens = now, tokens
-
-    def recompute_s(self, tokens: int) -> float | None:
-        """Seconds to recompute ``tokens`` at the measured prefill rate; None until it is measured."""
-        rate = self.prefill.value
-        return None if rate is None else max(tokens, 0) / rate
-
-    def load_s(self, nbytes: int) -> float | None:
-        """Seconds to load ``nbytes``: a round trip and the bytes at the throughput; None until both are measured."""
-        if self.rtt.value is None or self.throughput.value is None:
-            return None
-        return self.rtt.value + nbytes / self.throughput.value
-
-    def describe(self) -> str:
-        def show(v: float | None, scale: float, unit: str) -> str:
-            return "?" if v is None else f"{v * scale:.3g} {unit}"
-
-        return (
-            f"round trip {show(self.rtt.value, 1e3, 'ms')}, throughput {show(self.throughput.value, 1e-6, 'MB/s')}, "
-            f"prefill {show(self.prefill.value, 1, 'tokens/s')}"
-        )
 
 
 class DeadlineRule:
@@ -282,7 +197,7 @@ class DeadlineRule:
             return float("inf")
         if self.suspect:
             return 0.0  # another wait on this store overran and it has not answered since: stop waiting now
-        expected = self.model.rtt.value if nbytes is None else self.model.load_s(nbytes)
+        expected = self.model.rtt.tail if nbytes is None else self.model.load_s(nbytes, tail=True)
         if expected is not None:
             budget = min(budget, OUTLIER * expected)
         return max(budget, MIN_DEADLINE_S)
@@ -305,20 +220,33 @@ class DeadlineRule:
         threading.Thread(target=self.probe, name=f"kvdi-{self.name}-probe", daemon=True).start()
 
     def probe(self) -> float | None:
-        """One lookup of a key no store holds; its round trip replaces the estimate (None: the store failed)."""
+        """Lookups of a key no store holds, their round trips folded into the estimate: one, and more (up to
+        :data:`~.deadline_estimates.SHIFT_SAMPLES`) while each lies beyond the estimate's spread (an outlier or a
+        store that moved: the next ones tell); the last round trip (None: the store failed)."""
+        seconds: float | None = None
+        try:
+            for _ in range(SHIFT_SAMPLES):
+                seconds = self._probe_once()
+                if seconds is None or not self.model.rtt.unsettled:
+                    break
+        finally:
+            with self._lock:
+                self._probing = False
+        logger.debug("kv connector %r: round trip probe: %s", self.name, self.model.describe())
+        return seconds
+
+    def _probe_once(self) -> float | None:
         try:
             start = self.clock()
             self.store.count_prefix([os.urandom(KEY_BYTES)])
             seconds: float | None = self.clock() - start
         except Exception:  # a store that cannot answer stays skipped until a probe succeeds
             seconds = None
-        with self._lock:
-            self._probing = False
-            if seconds is not None:
-                self.model.round_trip(seconds, replace=True)
+        if seconds is not None:
+            with self._lock:
+                self.model.round_trip(seconds)
                 self._probes += 1
                 self._heard()
-        logger.debug("kv connector %r: round trip probe: %s", self.name, self.model.describe())
         return seconds
 
     def refresh(self) -> bool:
@@ -365,4 +293,5 @@ __all__ = [
     "DeadlineRule",
     "DeadlineStats",
     "Ewma",
+    "RoundTrips",
 ]
