@@ -4,7 +4,8 @@ The pool is one buffer of ``max_bytes // frame_bytes`` slots, allocated on first
 framed object (its header, then the block's payload as one run), verified on load like an object of any
 other store. Next to a CUDA cache (``allocator.pin_memory`` on) the buffer is page-locked, exactly its
 size (:class:`~kvdi.connectors.pinned.HostRegion`, not torch's power-of-two caching allocator) and
-released on close; on a CPU it is plain pageable memory. The container builds one
+released on close; on a CPU it is pageable memory, each slot padded to whole cache lines so that every
+payload starts on one (copies between a payload and the cache run at memcpy's full speed). The container builds one
 pool per engine and hands it to both halves; a lock makes it safe to share across threads.
 
 Eviction drops the least recently used object. Within one batch (a chain of one request,
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _BACKEND_ERRORS = (ValueError, TypeError, OverflowError, MemoryError, RuntimeError, OSError)
+LINE = 64  # bytes of a CPU cache line
+FRAME_OFFSET = -HEADER_SIZE % LINE  # where a frame starts in a pageable slot: its payload then starts on a line
 
 
 class HostPoolStore:
@@ -53,7 +56,7 @@ class HostPoolStore:
         self._pin = pin_memory
         self._registrar = registrar
         self._pool: np.ndarray | None = None
-        self._region: HostRegion | None = None  # the pinned pool's memory, if any
+        self._region: HostRegion | None = None  # the pool's memory, once allocated
         self._reserved: dict[int, np.ndarray] = {}  # slots lent to a device copy (:meth:`reserve`): their payload
         self._lru: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, size)
         self._free: list[int] = []  # slots given back by discard
@@ -67,11 +70,22 @@ class HostPoolStore:
         self._evicted = evicted
 
     def _slots(self) -> np.ndarray:
+        """The pool as ``num_slots`` rows of ``slot_bytes``, row ``i`` being slot ``i``'s frame (allocated now)."""
         if self._pool is None:
             self._pool = self._pinned() if self._pin else None
             if self._pool is None:
-                self._pool = np.empty((self.num_slots, self.slot_bytes), dtype=np.uint8)
+                self._pool = self._pageable()
         return self._pool
+
+    def _pageable(self) -> np.ndarray:
+        """Pageable slots laid out so that every payload starts on a cache line: the frame begins
+        :data:`FRAME_OFFSET` bytes into a slot of a whole number of lines. A payload 24 bytes off a line
+        (a frame right at the start of a slot) makes every copy between it and the cache about 20 % slower."""
+        stride = -(-(FRAME_OFFSET + self.slot_bytes) // LINE) * LINE
+        self._region = HostRegion(self.num_slots * stride)  # page-aligned, unmapped on close
+        assert self._region.array is not None
+        frames = self._region.array[FRAME_OFFSET:]
+        return np.lib.stride_tricks.as_strided(frames, (self.num_slots, self.slot_bytes), (stride, 1))
 
     def _pinned(self) -> np.ndarray | None:
         """The pool page-locked, exactly its bytes; None (pageable, logged) when the driver refuses."""
@@ -180,7 +194,7 @@ class HostPoolStore:
         if self._pool is None or not payload.nbytes:
             return None
         offset = np.frombuffer(payload, dtype=np.uint8).ctypes.data - self._pool.ctypes.data
-        slot, at = divmod(offset, self.slot_bytes)
+        slot, at = divmod(offset, self._pool.strides[0])
         return slot if at == HEADER_SIZE and 0 <= slot < self.num_slots else None
 
     def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:

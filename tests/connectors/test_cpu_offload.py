@@ -29,6 +29,18 @@ def test_pool_has_max_bytes_over_frame_slots() -> None:
     assert (store.num_slots, store.slot_bytes) == (5, FRAME)
 
 
+def test_every_payload_of_a_pageable_pool_starts_on_a_cache_line_and_is_kept_whole() -> None:
+    """A frame right at a slot's start puts its payload 24 bytes off a line (copies ~20 % slower): slots are padded."""
+    store = pool(3)
+    frames = [(bytes([k]) * 16, [bytes([k]) * HEADER_SIZE, bytes([k + 1]) * LAYOUT.block_bytes]) for k in (1, 2, 3)]
+    assert store.put_many(frames) == 3
+    for key, pieces in frames:
+        slot, size = store._lru[key]
+        assert store._slots()[slot, HEADER_SIZE:].ctypes.data % 64 == 0
+        assert bytes(store._slots()[slot, :size]) == b"".join(pieces)
+    assert [bytes(o or b"") for o in store.get_many([k for k, _ in frames])] == [b"".join(p) for _, p in frames]
+
+
 def test_max_bytes_below_one_frame_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="KVDI_CPU_OFFLOAD__MAX_BYTES"):
         open_store(CpuOffloadSettings(max_bytes=FRAME - 1), LAYOUT, make_settings())
