@@ -132,3 +132,19 @@ def test_a_load_through_visit_many_is_byte_for_byte_and_a_flipped_payload_byte_i
     loaded, failed = third.prefill(PROMPT, (6, 7, 8, 14, 15))
     assert loaded == 16 and failed == {7, 8, 14}  # blocks from the bad one on are recomputed
     assert third.worker.stats.corrupt_dropped == 1
+
+
+def test_saves_from_a_cpu_cache_come_about_4_mib_per_put_many() -> None:
+    """One put_many per block cost a lock and an LRU pass per block: the pool asks for batches of ~4 MiB."""
+    from kvdi.connectors.cpu_offload import SAVE_BATCH_BYTES
+
+    store = pool(8)
+    assert store.save_batch_blocks == max(1, SAVE_BATCH_BYTES // FRAME)
+    store.save_batch_blocks = 3  # as if each frame were 4 MiB / 3
+    calls: list[int] = []
+    put_many = store.put_many
+    store.put_many = lambda items: calls.append(len(items)) or put_many(items)  # type: ignore[method-assign]
+    engine = Engine(store, LAYOUT, make_settings(), seed=2)
+    engine.worker._chunk = 1  # as if each block were CHUNK_BYTES: one block per call without a batch
+    engine.prefill(PROMPT, (1, 2, 3, 4, 5))
+    assert calls == [3, 1] and engine.worker.stats.saved_blocks == 4
