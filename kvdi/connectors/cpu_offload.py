@@ -89,7 +89,9 @@ class HostPoolStore:
         :data:`FRAME_OFFSET` bytes into a slot of a whole number of lines. A payload 24 bytes off a line
         (a frame right at the start of a slot) makes every copy between it and the cache about 20 % slower."""
         stride = -(-(FRAME_OFFSET + self.slot_bytes) // LINE) * LINE
-        self._region = HostRegion(self.num_slots * stride)  # page-aligned, unmapped on close
+        # Page-aligned, unmapped on close; huge pages as numpy gave its large arrays (the pool was one before):
+        # without them a copy between a payload and the cache measured ~10 % slower.
+        self._region = HostRegion(self.num_slots * stride, huge_pages=True)
         assert self._region.array is not None
         frames = self._region.array[FRAME_OFFSET:]
         self._frames, self._stride = frames.data, stride
