@@ -29,6 +29,18 @@ def test_pool_has_max_bytes_over_frame_slots() -> None:
     assert (store.num_slots, store.slot_bytes) == (5, FRAME)
 
 
+def test_every_payload_of_a_pageable_pool_starts_on_a_cache_line_and_is_kept_whole() -> None:
+    """A frame right at a slot's start puts its payload 24 bytes off a line (copies ~20 % slower): slots are padded."""
+    store = pool(3)
+    frames = [(bytes([k]) * 16, [bytes([k]) * HEADER_SIZE, bytes([k + 1]) * LAYOUT.block_bytes]) for k in (1, 2, 3)]
+    assert store.put_many(frames) == 3
+    for key, pieces in frames:
+        slot, size = store._lru[key]
+        assert store._slots()[slot, HEADER_SIZE:].ctypes.data % 64 == 0
+        assert bytes(store._slots()[slot, :size]) == b"".join(pieces)
+    assert [bytes(o or b"") for o in store.get_many([k for k, _ in frames])] == [b"".join(p) for _, p in frames]
+
+
 def test_max_bytes_below_one_frame_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="KVDI_CPU_OFFLOAD__MAX_BYTES"):
         open_store(CpuOffloadSettings(max_bytes=FRAME - 1), LAYOUT, make_settings())
@@ -120,3 +132,19 @@ def test_a_load_through_visit_many_is_byte_for_byte_and_a_flipped_payload_byte_i
     loaded, failed = third.prefill(PROMPT, (6, 7, 8, 14, 15))
     assert loaded == 16 and failed == {7, 8, 14}  # blocks from the bad one on are recomputed
     assert third.worker.stats.corrupt_dropped == 1
+
+
+def test_saves_from_a_cpu_cache_come_about_4_mib_per_put_many() -> None:
+    """One put_many per block cost a lock and an LRU pass per block: the pool asks for batches of ~4 MiB."""
+    from kvdi.connectors.cpu_offload import SAVE_BATCH_BYTES
+
+    store = pool(8)
+    assert store.save_batch_blocks == max(1, SAVE_BATCH_BYTES // FRAME)
+    store.save_batch_blocks = 3  # as if each frame were 4 MiB / 3
+    calls: list[int] = []
+    put_many = store.put_many
+    store.put_many = lambda items: calls.append(len(items)) or put_many(items)  # type: ignore[method-assign]
+    engine = Engine(store, LAYOUT, make_settings(), seed=2)
+    engine.worker._chunk = 1  # as if each block were CHUNK_BYTES: one block per call without a batch
+    engine.prefill(PROMPT, (1, 2, 3, 4, 5))
+    assert calls == [3, 1] and engine.worker.stats.saved_blocks == 4

@@ -9,6 +9,7 @@ path (``is_pinned``, asynchronous copies) is in ``tests/test_cuda.py``.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,6 +75,32 @@ def test_a_host_region_is_exactly_its_size_page_aligned_and_closes_twice() -> No
     region.close()
     assert registrar.calls == [("register", region.ptr, 12345), ("unregister", region.ptr, 0)]
     assert region.array is None and not region.pinned
+
+
+def vm_flags(ptr: int) -> list[str]:
+    """The VmFlags the kernel shows for the mapping holding address ``ptr`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= ptr < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
+def test_a_huge_page_region_asks_the_kernel_for_huge_pages_and_a_plain_one_does_not() -> None:
+    huge, plain = HostRegion(8 << 20, huge_pages=True), HostRegion(8 << 20)
+    try:
+        assert huge.array is not None and huge.ptr % 4096 == 0 and not huge.pinned
+        huge.array[:] = 3
+        assert int(huge.array.sum()) == 3 * (8 << 20)
+        assert "hg" in vm_flags(huge.ptr) and "hg" not in vm_flags(plain.ptr)  # MADV_HUGEPAGE
+    finally:
+        huge.close()
+        plain.close()
 
 
 def test_a_cpu_engine_never_pins_the_pool() -> None:

@@ -47,8 +47,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import xxhash
 
@@ -151,12 +151,20 @@ def frame_header(
     if codec not in (0, FLAG_ZSTD, CODEC_FLAGS):
         raise ValueError(f"codec must be 0, FLAG_ZSTD ({FLAG_ZSTD}) or CODEC_FLAGS ({CODEC_FLAGS}), got {codec}")
     pieces: Sequence[Buffer] = [payload] if isinstance(payload, bytes | bytearray | memoryview) else payload
-    length = sum(memoryview(p).nbytes for p in pieces)
+    if len(fingerprint) != FINGERPRINT_BYTES:
+        raise ValueError(f"layout fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
+    h = xxhash.xxh3_64()  # one pass, no per-piece bookkeeping: a block is tens of pieces, framed per save
+    length = 0
+    for p in pieces:
+        length += p.nbytes if isinstance(p, memoryview) else memoryview(p).nbytes
+        h.update(p)
     flags = (0 if key is None else FLAG_MAC) | codec
-    checked = _CHECKED.pack(MAGIC, FRAME_VERSION, flags, fingerprint, name_field(name), length)
-    digest = checksum([*pieces, checked])
+    field = name_field(name)
+    checked = _CHECKED.pack(MAGIC, FRAME_VERSION, flags, fingerprint, field, length)
+    h.update(checked)
+    digest = int(h.intdigest())
     if key is None:
-        return pack_header(fingerprint, name, length, digest, flags)
+        return _HEADER.pack(MAGIC, FRAME_VERSION, flags, fingerprint, field, length, digest, _NO_MAC)
     mac = key.mac()
     for piece in pieces:
         mac.update(piece)
@@ -231,9 +239,26 @@ class PayloadHasher:
         elif self._xxh is not None:
             self._xxh.update(piece)
 
-    def verify(self, header: Buffer, fingerprint: bytes, expected_len: int, *, name: Buffer) -> None:
-        """Raise :class:`CorruptObjectError` unless header and payload form a valid frame of block ``name``."""
-        digest, length = read_header(header, fingerprint, expected_len, name=name)
+    def feed(self, nbytes: int) -> Callable[[Buffer], None]:
+        """The checksum's (or the MAC's) own ``update``, for a caller that passes exactly ``nbytes`` of payload
+        through it: no bookkeeping per piece, which counts when a block is tens of pieces. Then :meth:`verify`."""
+        self.nbytes += nbytes
+        hasher = self._mac if self._mac is not None else self._xxh
+        assert hasher is not None
+        return cast(Callable[[Buffer], None], hasher.update)
+
+    def verify(
+        self,
+        header: Buffer,
+        fingerprint: bytes,
+        expected_len: int,
+        *,
+        name: Buffer,
+        read: tuple[int, int] | None = None,
+    ) -> None:
+        """Raise :class:`CorruptObjectError` unless header and payload form a valid frame of block ``name``.
+        ``read``: what :func:`read_header` returned for this very header (not read again)."""
+        digest, length = read if read is not None else read_header(header, fingerprint, expected_len, name=name)
         if self.nbytes != length:
             raise CorruptObjectError("length", f"read {self.nbytes} B of payload, expected {length} B")
         view = memoryview(header).cast("B")

@@ -24,8 +24,8 @@ from kvdi.connectors.store.framing import (
     CorruptObjectError,
     FrameKey,
     PayloadHasher,
-    check_header,
     frame_codec,
+    read_header,
     verify_pieces,
 )
 from kvdi.connectors.store.protocol import BlockStore, ReadIntoStore, StoreCapabilities, ViewStore
@@ -66,29 +66,35 @@ def place_frame(
     pieces hold the bad payload, so the caller must treat the block as not loaded. No ``pieces``: the
     frame is verified only (its payload is copied elsewhere: straight to a device).
     """
-    view = memoryview(frame).cast("B")
-    check_header(view[:HEADER_SIZE], fingerprint, block_bytes, name=name)
-    if frame_codec(view[:HEADER_SIZE]):  # compressed (network stores): checked whole, decompressed into place
+    view = frame if isinstance(frame, memoryview) and frame.format == "B" else memoryview(frame).cast("B")
+    header = view[:HEADER_SIZE]
+    read = read_header(header, fingerprint, block_bytes, name=name)  # header faults first, once
+    if frame_codec(header):  # compressed (network stores): checked whole, decompressed into place
         return unframe_into(view, pieces, fingerprint, block_bytes, mac_key, name=name)
     if view.nbytes != HEADER_SIZE + block_bytes:
         raise CorruptObjectError("length", f"object of {view.nbytes} B, expected {HEADER_SIZE + block_bytes} B")
     hasher = PayloadHasher(mac_key)
+    update = hasher.feed(block_bytes)  # the hash's own update: no bookkeeping per piece
     if not pieces:  # verify only: the payload is being copied straight to a device (CacheIO.load_straight)
         for start in range(HEADER_SIZE, view.nbytes, PLACE_BYTES):
-            hasher.update(view[start : min(start + PLACE_BYTES, view.nbytes)])
-        return hasher.verify(view[:HEADER_SIZE], fingerprint, block_bytes, name=name)
+            update(view[start : start + PLACE_BYTES])
+        return hasher.verify(header, fingerprint, block_bytes, name=name, read=read)
     offset = HEADER_SIZE
     for piece in pieces:
         dst = piece if piece.format == "B" else piece.cast("B")
-        for start in range(0, dst.nbytes, PLACE_BYTES):
-            end = min(start + PLACE_BYTES, dst.nbytes)
-            span = dst[start:end]
-            span[:] = view[offset + start : offset + end]
-            hasher.update(span)  # what landed, while it is in the CPU cache (a copy's stores leave it there)
-        offset += dst.nbytes
+        n = dst.nbytes
+        if n <= PLACE_BYTES:  # a layer's piece: one copy, then its hash while it is in the CPU cache
+            dst[:] = view[offset : offset + n]
+            update(dst)
+        else:
+            for start in range(0, n, PLACE_BYTES):
+                span = dst[start : start + PLACE_BYTES]
+                span[:] = view[offset + start : offset + start + span.nbytes]
+                update(span)  # what landed, while it is in the CPU cache (a copy's stores leave it there)
+        offset += n
     if offset != view.nbytes:
         raise CorruptObjectError("length", f"pieces of {offset - HEADER_SIZE} B for a {block_bytes} B payload")
-    hasher.verify(view[:HEADER_SIZE], fingerprint, block_bytes, name=name)
+    hasher.verify(header, fingerprint, block_bytes, name=name, read=read)
 
 
 def read_chunk(
