@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvdi.admin.sections import HEAD_BYTES, check_section_streamed, section_format
+from kvdi.admin.sections import HEAD_BYTES, check_section_streamed, has_section_header, section_format
 from kvdi.connectors.store.framing import (
     HEADER_SIZE,
     MAGIC,
@@ -220,9 +220,7 @@ class ForeignObject:
 
 
 def _foreign(obj: StoreObject, head: bytes) -> ForeignObject:
-    from kvdi.connectors.store.canonical import MAGIC as CANONICAL_MAGIC
-
-    unbound = len(head) >= HEAD_BYTES and head[: len(CANONICAL_MAGIC)] == CANONICAL_MAGIC
+    unbound = has_section_header(head)  # a canonical header naming another object: copied there, never kvdi's write
     return ForeignObject(obj.name, obj.group, obj.odd or ("section of another name" if unbound else "no frame header"))
 
 

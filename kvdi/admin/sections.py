@@ -35,10 +35,15 @@ HEAD_BYTES = HEADER_SIZE
 """A canonical header's size (128 B): what is read of an object to tell a section (a per-rank header is 88 B)."""
 
 
+def has_section_header(head: bytes) -> bool:
+    """Whether an object's first bytes are a whole header opening with the canonical magic (bound or not)."""
+    return len(head) >= HEADER_SIZE and head[: len(MAGIC)] == MAGIC
+
+
 def section_format(name: str, head: bytes) -> str | None:
     """``canonical`` (this kvdi's version) or ``canonical_v<N>`` when ``head`` (an object's first bytes, stored
     under the 32-hex-digit ``name``) is a whole canonical header bound to that name; None otherwise."""
-    if len(head) < HEADER_SIZE or head[: len(MAGIC)] != MAGIC:
+    if not has_section_header(head):
         return None
     version, _, stored_name = section_identity(head)
     try:
@@ -91,4 +96,11 @@ def check_section_streamed(
     return None
 
 
-__all__ = ["CANONICAL", "HEAD_BYTES", "check_section_streamed", "group_of", "section_format"]
+__all__ = [
+    "CANONICAL",
+    "HEAD_BYTES",
+    "check_section_streamed",
+    "group_of",
+    "has_section_header",
+    "section_format",
+]
