@@ -19,10 +19,9 @@ from kvdi.connectors.store.canonical import (
     CANONICAL_VERSION,
     HEADER_SIZE,
     MAGIC,
-    check_section_header,
     declared_section,
     section_identity,
-    verify_payload,
+    verify_section,
 )
 from kvdi.connectors.store.framing import CorruptObjectError, FrameKey, name_field
 
@@ -87,10 +86,12 @@ def check_section_streamed(
         return "oversize"
     try:
         fingerprint, geometry, section = declared_section(head)
-        length = check_section_header(head, geometry, section, name=bytes.fromhex(obj.name), fingerprint=fingerprint)
-        if obj.size != HEADER_SIZE + length:
-            return "length"
-        verify_payload(head, _chunks(admin, obj, chunk), key)
+        if obj.size != HEADER_SIZE + geometry.section_bytes(section):
+            return "length"  # (a header declaring another length is one too: checked with every field below)
+        chunks = _chunks(admin, obj, chunk)
+        verify_section(
+            head[:HEADER_SIZE], chunks, geometry, section, key, name=bytes.fromhex(obj.name), fingerprint=fingerprint
+        )
     except CorruptObjectError as exc:
         return exc.reason
     return None

@@ -275,44 +275,25 @@ def open_section(
 
 def verify_section(
     header: Buffer,
-    payload: Buffer | Sequence[Buffer],
+    payload: Buffer | Iterable[Buffer],
     geometry: Geometry,
     section: Section,
     key: FrameKey | None = None,
     *,
     name: Buffer,
+    fingerprint: bytes | None = None,
 ) -> None:
-    """Check a section read as its header and its payload (whole, or the pieces it was read into): every header
-    field (:func:`check_section_header`), then the checksum or MAC (:func:`verify_payload`). Raises
-    :class:`~.framing.CorruptObjectError` with the first reason that applies (a per-rank frame: ``old_format``)."""
-    length = check_section_header(header, geometry, section, name=name)
-    pieces = _pieces(payload)
-    got = sum(memoryview(p).nbytes for p in pieces)
-    if got != length:
-        raise CorruptObjectError("length", f"{got} B of payload, need {length} B")
-    verify_payload(header, pieces, key)
+    """Check a section read as its header and its payload (whole, or the pieces it was read into: any iterable,
+    so ``kvdi store verify`` streams one through in bounded chunks): every header field against ``geometry``,
+    ``section``, the object ``name`` and ``fingerprint`` (default: the geometry's), then the length, then the
+    checksum (or the MAC), one pass over the payload.
 
-
-def _unpack(header: Buffer) -> tuple[Any, ...]:
-    """A header's fields, once its magic and version are this kvdi's (else ``old_format``, ``magic``, ``version``)."""
+    Raises :class:`~.framing.CorruptObjectError` with the first reason that applies; a per-rank
+    frame (magic ``KVDI``) is reason ``old_format``.
+    """
     view = memoryview(header).cast("B")
-    if bytes(view[:4]) == PER_RANK_MAGIC:
-        raise CorruptObjectError("old_format", "a per-rank frame where a canonical section was expected")
-    fields = _HEADER.unpack_from(view)
-    if fields[0] != MAGIC:
-        raise CorruptObjectError("magic", f"expected {MAGIC!r}, got {bytes(fields[0])!r}")
-    if fields[1] != CANONICAL_VERSION:
-        raise CorruptObjectError("version", f"canonical format version {fields[1]}, kvdi reads {CANONICAL_VERSION}")
-    return fields
-
-
-def check_section_header(
-    header: Buffer, geometry: Geometry, section: Section, *, name: Buffer, fingerprint: bytes | None = None
-) -> int:
-    """Check every field of a section's 128-byte header against ``geometry``, ``section``, the object name ``name``
-    and ``fingerprint`` (default: the geometry's); return the payload bytes it declares. CorruptObjectError else."""
-    _, _, flags, fp, stored_name, *rest = _unpack(header)
-    ranges, geom, (dtype, order), length, mac = rest[:4], rest[4:8], rest[8:10], rest[10], rest[12]
+    _, _, flags, fp, stored_name, *rest = _unpack(view)
+    ranges, geom, (dtype, order), length, digest, mac = rest[:4], rest[4:8], rest[8:10], rest[10], rest[11], rest[12]
     if flags & ~FLAG_MAC or order != ORDER_LNHKD or bool(flags & FLAG_MAC) == (mac == _NO_MAC):
         raise CorruptObjectError("header", f"flags {flags:#x} / order {order} / MAC field disagree")
     if fp != (geometry.fingerprint() if fingerprint is None else fingerprint):
@@ -326,31 +307,42 @@ def check_section_header(
         raise CorruptObjectError("geometry", f"geometry {tuple(geom)} dtype {dtype} does not match this model")
     expected = geometry.section_bytes(section)
     if length != expected:
-        raise CorruptObjectError("length", f"header says {length} B of payload, the section has {expected} B")
-    return expected
-
-
-def verify_payload(header: Buffer, pieces: Iterable[Buffer], key: FrameKey | None = None) -> None:
-    """The checksum (with ``key``: the MAC) of a checked header over its payload, given as ``pieces`` (any
-    iterable: ``kvdi store verify`` streams a section through it in bounded chunks). CorruptObjectError else."""
-    view = memoryview(header).cast("B")
-    fields = _HEADER.unpack_from(view)
-    if key is not None and not fields[2] & FLAG_MAC:
-        raise CorruptObjectError("mac", "section carries no MAC but an integrity key is set")
+        raise CorruptObjectError("length", f"header says {length} B of payload, need {expected} B")
     h = xxhash.xxh3_64() if key is None else key.mac()
-    for piece in pieces:
+    got = 0
+    for piece in [payload] if isinstance(payload, bytes | bytearray | memoryview) else payload:
+        got += memoryview(piece).nbytes
         h.update(piece)
-    h.update(view[: _CHECKED.size if key is None else _FIELDS.size])
-    if key is None and h.intdigest() != fields[-2]:
-        raise CorruptObjectError("checksum", "payload does not match its section checksum")
-    if key is not None and not hmac.compare_digest(h.digest(), bytes(fields[-1])):
+    if got != expected:
+        raise CorruptObjectError("length", f"{got} B of payload, need {expected} B")
+    if key is None:
+        h.update(view[: _CHECKED.size])
+        if h.intdigest() != digest:
+            raise CorruptObjectError("checksum", "payload does not match its section checksum")
+        return
+    if not flags & FLAG_MAC:
+        raise CorruptObjectError("mac", "section carries no MAC but an integrity key is set")
+    h.update(view[: _FIELDS.size])
+    if not hmac.compare_digest(h.digest(), bytes(mac)):
         raise CorruptObjectError("mac", "MAC does not verify under this integrity key (forged or other key)")
+
+
+def _unpack(view: memoryview) -> tuple[Any, ...]:
+    """A header's fields, once its magic and version are this kvdi's (else ``old_format``, ``magic``, ``version``)."""
+    if bytes(view[:4]) == PER_RANK_MAGIC:
+        raise CorruptObjectError("old_format", "a per-rank frame where a canonical section was expected")
+    fields = _HEADER.unpack_from(view)
+    if fields[0] != MAGIC:
+        raise CorruptObjectError("magic", f"expected {MAGIC!r}, got {bytes(fields[0])!r}")
+    if fields[1] != CANONICAL_VERSION:
+        raise CorruptObjectError("version", f"canonical format version {fields[1]}, kvdi reads {CANONICAL_VERSION}")
+    return fields
 
 
 def declared_section(header: Buffer) -> tuple[bytes, Geometry, Section]:
     """The fingerprint, model geometry and grid (model id unknown: "") and section a header declares, to check a
     section against itself (``kvdi store verify``: a store holds every model's). CorruptObjectError as a load."""
-    fields = _unpack(header)
+    fields = _unpack(memoryview(header).cast("B"))
     (ls, lc, hs, hc), (nl, nh, hd, bs), dtype = fields[5:9], fields[9:13], fields[13]
     if lc <= 0 or hc <= 0 or ls % lc or hs % hc or ls + lc > nl or hs + hc > nh:
         raise CorruptObjectError("range", f"layers/heads {(ls, lc, hs, hc)} are no section of {nl} x {nh}")
@@ -383,14 +375,12 @@ __all__ = [
     "Geometry",
     "RankPart",
     "Section",
-    "check_section_header",
     "declared_section",
     "frame_kind",
     "frame_section",
     "open_section",
     "read_plan",
     "section_identity",
-    "verify_payload",
     "verify_section",
     "write_plan",
 ]
