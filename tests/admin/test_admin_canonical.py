@@ -29,27 +29,11 @@ from kvdi.connectors.store.framing import FrameKey
 from kvdi.connectors.store.protocol import BlockStore
 from kvdi.settings import load_settings
 from kvdi.testing.redis_server import RedisServer
-from tests.admin.helpers import FINGERPRINTS, frame, key, kvdi
+from tests.admin.helpers import BLOCKS_A, BLOCKS_B, FINGERPRINTS, FP_A, FP_B, A, B, frame, key, kvdi, write_sections
 
-A = Geometry("model-a", 2, 2, 8, 4, "float16", section_layers=1)  # 4 sections a block
-B = Geometry("model-b", 2, 2, 8, 4, "float16")  # 2 sections a block (all layers, one head each)
-BLOCKS_A = [bytes([0xA0 + i]) * 16 for i in range(4)]
-BLOCKS_B = [bytes([0xB0 + i]) * 16 for i in range(2)]
-FP_A, FP_B = A.fingerprint().hex(), B.fingerprint().hex()
 OTHER_APP = hashlib.md5(b"user:1").hexdigest()
 Get = Callable[[bytes], bytes]
 Put = Callable[[bytes, bytes], None]
-
-
-def layers(g: Geometry, seed: int) -> list[bytes]:
-    """One block of the whole model, one buffer per layer (kvdi's order)."""
-    size = 2 * g.block_size * g.num_kv_heads * g.head_dim * g.elem_bytes
-    return [bytes((seed * 7 + layer * 3 + i) % 251 for i in range(size)) for layer in range(g.num_layers)]
-
-
-def write_sections(store: BlockStore, g: Geometry, blocks: list[bytes], frame_key: FrameKey | None = None) -> None:
-    rank = CanonicalRank(store, g, RankPart.of(g), key=frame_key)
-    assert rank.save([(k, layers(g, i)) for i, k in enumerate(blocks)]) == len(blocks) * len(g.sections())
 
 
 def flip(data: bytearray) -> bytearray:
