@@ -161,7 +161,7 @@ def cmd_store_stats(args: argparse.Namespace, _rest: list[str]) -> int:
 
     picked = f" ({stats.selected})" if stats.selected else ""
     table = Table(title=f"kvdi store: {stats.kind} at {stats.where}{picked}")
-    for col in ("layout (one per model and shape)", "objects", "bytes", "oldest", "newest"):
+    for col in ("layout (one per model and shape; canonical: per model)", "objects", "bytes", "oldest", "newest"):
         table.add_column(col, justify="right" if col in ("objects", "bytes") else "left")
     rows = [*sorted(stats.groups.items()), *(("node " + n, g) for n, g in sorted(stats.nodes.items()))]
     for name, group in rows:
@@ -174,7 +174,7 @@ def cmd_store_stats(args: argparse.Namespace, _rest: list[str]) -> int:
     console.print(f"kvdi objects by format: {formats or 'none'}")
     console.print(
         f"other entries (not kvdi objects, left alone): {stats.other}; foreign entries under object names "
-        f"(no kvdi frame, left alone): {stats.foreign}, of them odd (no plain object): {stats.odd}"
+        f"(no kvdi frame or section, left alone): {stats.foreign}, of them odd (no plain object): {stats.odd}"
     )
     console.print(f"server: {json.dumps(stats.server)}")
     console.print(f"settings: {json.dumps(info['settings'])}")
@@ -210,7 +210,7 @@ def cmd_store_verify(args: argparse.Namespace, _rest: list[str]) -> int:
 
 
 def _by_format(formats: dict[str, int]) -> str:
-    """`` (per_rank 40, canonical 8)`` when the store holds canonical sections, else "" (as before them)."""
+    """`` (canonical 8, per_rank 40)`` when the store holds canonical sections, else "" (as before them)."""
     if set(formats) <= {"per_rank"}:
         return ""
     return " (" + ", ".join(f"{name} {n}" for name, n in sorted(formats.items())) + ")"
