@@ -3,6 +3,9 @@
 ``--layout FP`` (a layout fingerprint or a prefix of one, as ``stats`` lists them: one per
 model and shape) and ``--older-than AGE`` (``7d``, ``12h``, ``3600``) select objects by their
 content and age; ``clear`` with either lists what it would remove unless ``--yes`` is given.
+Canonical sections (``format=canonical``) are kvdi objects like per-rank frames: ``stats`` lists
+them as ``canonical:<fingerprint>`` rows (``canonical_v1:`` for an older format version) with a
+count per format, ``verify`` checks them as a load does, ``clear`` removes them.
 
 Exit codes: 0 done (``verify``: every object good), 1 ``verify`` found bad objects (listed;
 removed with ``--drop``), 2 a bad setting, an unreachable store or a refused ``clear`` (one
@@ -131,6 +134,10 @@ def _progress(label: str) -> Iterator[Callable[[int, int], None]]:
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
+_FORMATS = {"per_rank": "per-rank frames", "canonical": "canonical sections"}
+"""How ``stats`` names a format (``canonical_v1``: an older canonical version, never loaded, as it is)."""
+
+
 def _when(stamp: float | None) -> str:
     return "-" if stamp is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
 
@@ -154,7 +161,7 @@ def cmd_store_stats(args: argparse.Namespace, _rest: list[str]) -> int:
 
     picked = f" ({stats.selected})" if stats.selected else ""
     table = Table(title=f"kvdi store: {stats.kind} at {stats.where}{picked}")
-    for col in ("layout (one per model and shape)", "objects", "bytes", "oldest", "newest"):
+    for col in ("layout (one per model and shape; canonical: per model)", "objects", "bytes", "oldest", "newest"):
         table.add_column(col, justify="right" if col in ("objects", "bytes") else "left")
     rows = [*sorted(stats.groups.items()), *(("node " + n, g) for n, g in sorted(stats.nodes.items()))]
     for name, group in rows:
@@ -163,9 +170,11 @@ def cmd_store_stats(args: argparse.Namespace, _rest: list[str]) -> int:
     table.add_row("total", str(t.objects), str(t.bytes), _when(t.oldest), _when(t.newest), style="bold")
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
+    formats = ", ".join(f"{_FORMATS.get(n, n)}: {g.objects}" for n, g in sorted(stats.formats.items()))
+    console.print(f"kvdi objects by format: {formats or 'none'}")
     console.print(
         f"other entries (not kvdi objects, left alone): {stats.other}; foreign entries under object names "
-        f"(no kvdi frame, left alone): {stats.foreign}, of them odd (no plain object): {stats.odd}"
+        f"(no kvdi frame or section, left alone): {stats.foreign}, of them odd (no plain object): {stats.odd}"
     )
     console.print(f"server: {json.dumps(stats.server)}")
     console.print(f"settings: {json.dumps(info['settings'])}")
@@ -187,15 +196,24 @@ def cmd_store_verify(args: argparse.Namespace, _rest: list[str]) -> int:
         print(json.dumps(report.as_dict(), indent=2))
     else:
         for bad in report.bad:
-            print(f"bad: {bad.group}/{bad.name} ({bad.reason}){' dropped' if bad.dropped else ''}")
+            what = bad.reason if bad.format == "per_rank" else f"{bad.format} section, {bad.reason}"
+            print(f"bad: {bad.group}/{bad.name} ({what}){' dropped' if bad.dropped else ''}")
         for foreign in report.foreign:
             print(f"foreign: {foreign.group}/{foreign.name} ({foreign.why}), left alone")
         print(
-            f"{report.kind} at {report.where}: {report.checked} objects checked, {report.good} good, "
+            f"{report.kind} at {report.where}: {report.checked} objects checked{_by_format(report.formats)}, "
+            f"{report.good} good, "
             f"{len(report.bad)} bad{' (dropped)' if args.drop and report.bad else ''}, "
             f"{len(report.foreign)} foreign (left alone) in {report.seconds:.2f} s"
         )
     return EXIT_BAD_OBJECTS if report.bad else 0
+
+
+def _by_format(formats: dict[str, int]) -> str:
+    """`` (canonical 8, per_rank 40)`` when the store holds canonical sections, else "" (as before them)."""
+    if set(formats) <= {"per_rank"}:
+        return ""
+    return " (" + ", ".join(f"{name} {n}" for name, n in sorted(formats.items())) + ")"
 
 
 def cmd_store_clear(args: argparse.Namespace, _rest: list[str]) -> int:
@@ -224,7 +242,7 @@ def cmd_store_clear(args: argparse.Namespace, _rest: list[str]) -> int:
     picked = f" ({selection.describe()})" if selection.filtered else ""
     hint = "; add --yes to remove them" if dry_run and not args.dry_run else ""
     print(
-        f"{done} {len(report.removed)} objects{picked} from {admin.kind} at {admin.where}; "
+        f"{done} {len(report.removed)} objects{_by_format(report.formats)}{picked} from {admin.kind} at {admin.where}; "
         f"{len(report.foreign)} foreign entries left alone{hint}"
     )
     return 0

@@ -7,13 +7,16 @@ layout fingerprint, :func:`verify_store` checks each object as a frame, :func:`c
 removes objects; each takes a :class:`~kvdi.admin.select.Selection` (a layout, an age).
 
 Two tests make an entry kvdi's. Its name: 32 hex digits under the backend's prefix or fan-out
-folder (anything else is ``other``, never read). Its content: the first :data:`HEADER_SIZE`
-bytes, read before anything else, must open with the frame magic (``KVDI``); an entry that does
-not (another application's value, a symlink or folder in an object's place) is ``foreign``:
-counted and listed, never removed by ``clear`` or ``verify --drop``.
+folder (anything else is ``other``, never read). Its content: the first :data:`HEAD_BYTES`
+bytes, read before anything else, must be a per-rank frame header (magic ``KVDI``) or a
+canonical section header bound to the object's name (magic ``KVDC``, :mod:`.sections`); an
+entry that is neither (another application's value, a symlink or folder in an object's place)
+is ``foreign``: counted and listed, never removed by ``clear`` or ``verify --drop``.
+:func:`object_format` tells which: ``per_rank``, ``canonical``, or ``canonical_v1`` (an older
+canonical version, which a load counts as a ``version`` miss and ``verify`` reports bad).
 
 Reads are bounded whatever a store claims: the header first, then (``verify``) one frame's
-payload as the header declares it, in :data:`READ_CHUNK` pieces through a streaming hasher, so
+payload (or section) as the header declares it, in :data:`READ_CHUNK` pieces through a streaming hasher, so
 memory stays at one chunk per object; an object larger than ``max_object_bytes`` is reported as
 ``oversize`` and never read past its header.
 """
@@ -26,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvdi.admin.sections import HEAD_BYTES, check_section_streamed, has_section_header, section_format
 from kvdi.connectors.store.framing import (
     HEADER_SIZE,
     MAGIC,
@@ -49,6 +53,10 @@ Progress = Callable[[int, int], None]
 _BATCH = 256  # objects whose headers are read in one call
 _LENGTH = struct.Struct("<Q")
 _LENGTH_AT = 40  # the header's payload-length field (see kvdi.connectors.store.framing)
+PER_RANK = "per_rank"
+"""The format label of a per-rank frame (``canonical``, ``canonical_v1``: see :mod:`.sections`)."""
+HEAD = max(HEADER_SIZE, HEAD_BYTES)
+"""The first bytes read of every object: a whole per-rank or canonical header."""
 
 
 def is_hex(name: str) -> bool:
@@ -110,12 +118,17 @@ def is_frame_header(head: bytes | None) -> bool:
     return head is not None and len(head) >= HEADER_SIZE and head[: len(MAGIC)] == MAGIC
 
 
+def object_format(obj: StoreObject, head: bytes) -> str | None:
+    """``per_rank``, ``canonical`` or ``canonical_v<N>`` by the object's first bytes; None: not kvdi's (foreign)."""
+    return PER_RANK if is_frame_header(head) else section_format(obj.name, head)
+
+
 def headed(admin: StoreAdmin, listing: Sequence[StoreObject]) -> Iterator[tuple[StoreObject, bytes | None]]:
-    """Each listed object with its first :data:`HEADER_SIZE` bytes (``b""`` for odd entries, None: vanished)."""
+    """Each listed object with its first :data:`HEAD` bytes (``b""`` for odd entries, None: vanished)."""
     for start in range(0, len(listing), _BATCH):
         batch = listing[start : start + _BATCH]
         plain = [obj for obj in batch if obj.odd is None]
-        heads = iter(admin.read_many(plain, 0, HEADER_SIZE) if plain else [])
+        heads = iter(admin.read_many(plain, 0, HEAD) if plain else [])
         for obj in batch:
             yield obj, (b"" if obj.odd is not None else next(heads))
 
@@ -187,9 +200,11 @@ class BadObject:
     group: str
     reason: str
     dropped: bool = False
+    format: str = PER_RANK
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "group": self.group, "reason": self.reason, "dropped": self.dropped}
+        out = {"name": self.name, "group": self.group, "reason": self.reason, "dropped": self.dropped}
+        return out | {"format": self.format}
 
 
 @dataclass
@@ -204,8 +219,9 @@ class ForeignObject:
         return {"name": self.name, "group": self.group, "why": self.why}
 
 
-def _foreign(obj: StoreObject) -> ForeignObject:
-    return ForeignObject(obj.name, obj.group, obj.odd or "no frame header")
+def _foreign(obj: StoreObject, head: bytes) -> ForeignObject:
+    unbound = has_section_header(head)  # a canonical header naming another object: copied there, never kvdi's write
+    return ForeignObject(obj.name, obj.group, obj.odd or ("section of another name" if unbound else "no frame header"))
 
 
 @dataclass
@@ -217,6 +233,8 @@ class VerifyReport:
     bad: list[BadObject] = field(default_factory=list)
     seconds: float = 0.0
     foreign: list[ForeignObject] = field(default_factory=list)
+    formats: dict[str, int] = field(default_factory=dict)
+    """Objects checked (good or bad) by format: ``per_rank``, ``canonical``, ``canonical_v1``."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -224,6 +242,7 @@ class VerifyReport:
             "where": self.where,
             "checked": self.checked,
             "good": self.good,
+            "formats": dict(sorted(self.formats.items())),
             "bad": [b.as_dict() for b in self.bad],
             "foreign": [f.as_dict() for f in self.foreign],
             "seconds": round(self.seconds, 3),
@@ -238,22 +257,30 @@ def verify_store(
     max_object_bytes: int = MAX_OBJECT_BYTES,
     selection: Selection | None = None,
 ) -> VerifyReport:
-    """Check every kvdi object (at most one frame read of each); with ``drop`` remove the bad ones. Foreign entries
-    are listed in ``foreign`` and left alone. ``progress(done, total)`` after each."""
+    """Check every kvdi object (at most one frame or section read of each, as a load checks it); with ``drop``
+    remove the bad ones. Foreign entries are listed in ``foreign`` and left alone. ``progress(done, total)`` after
+    each."""
     start = time.perf_counter()
     report = VerifyReport(admin.kind, admin.where)
     listing = list(admin.objects())
     for done, (obj, head) in enumerate(headed(admin, listing), 1):
-        if head is not None and not is_frame_header(head):
-            report.foreign.append(_foreign(obj))
-        elif head is None or selected(selection, obj, head):
-            reason = "vanished" if head is None else check_streamed(admin, obj, head, key, max_object_bytes)
+        fmt = None if head is None else object_format(obj, head)
+        if head is None:
+            pass  # vanished since the listing: neither good nor bad
+        elif fmt is None:
+            report.foreign.append(_foreign(obj, head))
+        elif selected(selection, obj, head):
+            if fmt == PER_RANK:
+                reason = check_streamed(admin, obj, head, key, max_object_bytes)
+            else:
+                reason = check_section_streamed(admin, obj, head, key, max_object_bytes, READ_CHUNK)
+            if reason != "vanished":  # removed (evicted, cleared) while we looked: neither good nor bad
+                report.checked += 1
+                report.formats[fmt] = report.formats.get(fmt, 0) + 1
             if reason is None:
-                report.checked += 1
                 report.good += 1
-            elif reason != "vanished":  # removed (evicted, cleared) while we looked: neither good nor bad
-                report.checked += 1
-                bad = BadObject(obj.name, obj.group, reason)
+            elif reason != "vanished":
+                bad = BadObject(obj.name, obj.group, reason, format=fmt)
                 if drop:
                     bad.dropped = admin.remove(obj)
                 report.bad.append(bad)
@@ -272,10 +299,13 @@ class ClearReport:
     removed: list[StoreObject] = field(default_factory=list)
     foreign: list[ForeignObject] = field(default_factory=list)
     dry_run: bool = False
+    formats: dict[str, int] = field(default_factory=dict)
+    """Objects removed (or that would be) by format: ``per_rank``, ``canonical``, ``canonical_v1``."""
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "where": self.where, "foreign": len(self.foreign)}
         out["would_remove" if self.dry_run else "removed"] = len(self.removed)
+        out["formats"] = dict(sorted(self.formats.items()))
         if self.dry_run:
             out["objects"] = [{"name": o.name, "group": o.group, "bytes": o.size} for o in self.removed]
         return out
@@ -287,22 +317,27 @@ def clear_store(
     dry_run: bool = False,
     selection: Selection | None = None,
 ) -> ClearReport:
-    """Remove every (selected) object whose header says it is kvdi's (checked right before its removal); foreign
-    entries stay. With ``dry_run`` nothing is removed: the report lists what would be."""
+    """Remove every (selected) object whose header says it is kvdi's (a per-rank frame or a canonical section bound
+    to its name, any version; read right before its removal); foreign entries stay. With ``dry_run`` nothing is
+    removed: the report lists what would be."""
     report = ClearReport(admin.kind, admin.where, dry_run=dry_run)
     listing = list(admin.objects())
     for done, (obj, head) in enumerate(headed(admin, listing), 1):
-        if head is not None and not is_frame_header(head):
-            report.foreign.append(_foreign(obj))
-        elif head is not None and selected(selection, obj, head) and (dry_run or admin.remove(obj)):
+        fmt = None if head is None else object_format(obj, head)
+        if head is not None and fmt is None:
+            report.foreign.append(_foreign(obj, head))
+        elif head is not None and fmt is not None and selected(selection, obj, head) and (dry_run or admin.remove(obj)):
             report.removed.append(obj)
+            report.formats[fmt] = report.formats.get(fmt, 0) + 1
         if progress is not None:
             progress(done, len(listing))
     return report
 
 
 __all__ = [
+    "HEAD",
     "MAX_OBJECT_BYTES",
+    "PER_RANK",
     "READ_CHUNK",
     "BadObject",
     "ClearReport",
@@ -318,5 +353,6 @@ __all__ = [
     "is_frame_header",
     "is_hex",
     "is_key_name",
+    "object_format",
     "verify_store",
 ]

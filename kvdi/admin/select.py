@@ -3,9 +3,12 @@
 Every frame's header names the layout it was written for (``KVCacheSpec.fingerprint()``: the
 model's weights identity, dtype, layers, heads, block size, group), so a store shared by a
 fleet's models is administered per model by that fingerprint, read from each object's content
-(never from its name or folder). Age is the time since the object was last written or used,
-as the backend tells it (a file's modification time, which loads refresh under a size cap; a
-Redis key's idle time); an object whose age is unknown is never selected by ``--older-than``.
+(never from its name or folder). A canonical section's header holds its fingerprint (model,
+dtype, geometry, grid, format version: never the shape) at the same place, so ``--layout``
+selects sections alike (given as ``stats`` lists them, ``canonical:<hex>``, or as the hex alone).
+Age is the time since the object was last written or used, as the backend tells it (a file's
+modification time, which loads refresh under a size cap; a Redis key's idle time); an object
+whose age is unknown is never selected by ``--older-than``.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from dataclasses import dataclass, field
 from kvdi.admin.model import StoreObject, is_hex
 from kvdi.errors import ConfigError
 
-LAYOUT_AT = slice(8, 24)  # the header's layout field (see kvdi.connectors.store.framing)
+LAYOUT_AT = slice(8, 24)  # the layout field of a per-rank header and of a canonical one (framing.py, canonical.py)
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_LABEL = re.compile(r"^canonical(?:_v\d+)?:")  # a canonical row of ``stats``: its fingerprint follows
 
 
 def layout_of(head: bytes) -> str:
@@ -39,12 +43,13 @@ def parse_age(text: str, option: str = "--older-than") -> float:
 
 
 def parse_layout(text: str, option: str = "--layout") -> str:
-    """A layout fingerprint or a prefix of one (hex, 4 to 32 digits), lowercased; ConfigError otherwise."""
-    value = text.strip().lower()
+    """A layout fingerprint or a prefix of one (hex, 4 to 32 digits, after ``canonical:`` for a canonical row of
+    ``stats``), lowercased; ConfigError otherwise."""
+    value = _LABEL.sub("", text.strip().lower())
     if not (4 <= len(value) <= 32 and is_hex(value)):
         raise ConfigError(
-            f"{option}={text!r}: not a layout fingerprint; give 4 to 32 hex digits of one, as "
-            "'kvdi store stats' lists them"
+            f"{option}={text!r}: not a layout fingerprint; give 4 to 32 hex digits of one (or canonical:<hex>), "
+            "as 'kvdi store stats' lists them"
         )
     return value
 

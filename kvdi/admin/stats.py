@@ -1,11 +1,18 @@
-"""``kvdi store stats``: kvdi objects and bytes per layout fingerprint (one per model and shape), read by content."""
+"""``kvdi store stats``: kvdi objects and bytes per layout fingerprint (one per model and shape), read by content.
+
+Rows: a per-rank layout by its fingerprint's hex, canonical sections as ``canonical:<fingerprint>``
+(one per model and grid, whatever shape wrote them), sections of an older canonical version as
+``canonical_v1:<fingerprint>`` (kvdi's, never loaded: a ``version`` miss); :attr:`StoreStats.formats`
+sums them per format. Foreign entries (no kvdi header, or a section header of another name) are counted apart.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvdi.admin.model import Progress, StoreAdmin, StoreObject, headed, is_frame_header, selected
+from kvdi.admin.model import PER_RANK, Progress, StoreAdmin, StoreObject, headed, object_format, selected
+from kvdi.admin.sections import group_of
 
 if TYPE_CHECKING:
     from kvdi.admin.select import Selection
@@ -33,7 +40,8 @@ class GroupStats:
 class StoreStats:
     """kvdi objects and bytes in total and per layout fingerprint (one per model and shape; ``nodes``: per cluster
     node); ``other``: entries of other names; ``foreign``: entries under an object's name that are no kvdi frame
-    (``odd`` of them no plain object at all); ``server``: :meth:`StoreAdmin.server_info`."""
+    (``odd`` of them no plain object at all); ``formats``: kvdi objects per format (``per_rank``, ``canonical``,
+    ``canonical_v1``); ``server``: :meth:`StoreAdmin.server_info`."""
 
     kind: str
     where: str
@@ -43,6 +51,7 @@ class StoreStats:
     odd: int
     foreign: int = 0
     nodes: dict[str, GroupStats] = field(default_factory=dict)
+    formats: dict[str, GroupStats] = field(default_factory=dict)
     server: dict[str, Any] = field(default_factory=dict)
     selected: str = ""
 
@@ -55,6 +64,7 @@ class StoreStats:
             "odd_entries": self.odd,
             "foreign_entries": self.foreign,
             "layouts": {name: g.as_dict() for name, g in sorted(self.groups.items())},
+            "formats": {name: g.as_dict() for name, g in sorted(self.formats.items())},
             **({"nodes": {n: g.as_dict() for n, g in sorted(self.nodes.items())}} if self.nodes else {}),
             "server": self.server,
             "selection": self.selected,
@@ -62,13 +72,14 @@ class StoreStats:
 
 
 def store_stats(admin: StoreAdmin, selection: Selection | None = None, progress: Progress | None = None) -> StoreStats:
-    """Count every (selected) kvdi object of the store (its header read to tell), in total and per layout."""
+    """Count every (selected) kvdi object of the store (its header read to tell), in total, per layout and per
+    format (per-rank frames, canonical sections, sections of another canonical version)."""
     from kvdi.admin.select import layout_of
-    from kvdi.connectors.store.canonical import MAGIC as CANONICAL_MAGIC
 
     total = GroupStats()
     groups: dict[str, GroupStats] = {}
     nodes: dict[str, GroupStats] = {}
+    formats: dict[str, GroupStats] = {}
     odd = foreign = 0
     listing = list(admin.objects())
     for done, (obj, head) in enumerate(headed(admin, listing), 1):
@@ -76,23 +87,20 @@ def store_stats(admin: StoreAdmin, selection: Selection | None = None, progress:
             progress(done, len(listing))
         if head is None:
             continue  # vanished
-        if head[:4] == CANONICAL_MAGIC and len(head) >= 24:  # issue 30: canonical sections, a group apart
-            if selection is None:
-                total.add(obj)
-                groups.setdefault(f"canonical:{head[8:24].hex()}", GroupStats()).add(obj)
-            continue
-        if not is_frame_header(head):
+        fmt = object_format(obj, head)
+        if fmt is None:
             foreign += 1
             odd += obj.odd is not None
             continue
         if not selected(selection, obj, head):
             continue
         total.add(obj)
-        groups.setdefault(layout_of(head), GroupStats()).add(obj)
+        formats.setdefault(fmt, GroupStats()).add(obj)
+        groups.setdefault(layout_of(head) if fmt == PER_RANK else group_of(fmt, head), GroupStats()).add(obj)
         if admin.kind == "redis cluster":
             nodes.setdefault(obj.group, GroupStats()).add(obj)
     picked = selection.describe() if selection is not None else ""
-    stats = StoreStats(admin.kind, admin.where, total, groups, admin.other_entries(), odd, foreign, nodes)
+    stats = StoreStats(admin.kind, admin.where, total, groups, admin.other_entries(), odd, foreign, nodes, formats)
     stats.server, stats.selected = admin.server_info(), picked
     return stats
 

@@ -1,4 +1,5 @@
-"""Objects for the store administration tests: valid frames written through kvdi's real stores, and corrupt ones."""
+"""Objects for the store administration tests: valid frames and canonical sections written through kvdi's real
+stores, and corrupt ones."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvdi.connectors.store.framing import HEADER_SIZE, frame_header
+from kvdi.connectors.store.canonical import Geometry, RankPart
+from kvdi.connectors.store.canonical_io import CanonicalRank
+from kvdi.connectors.store.framing import HEADER_SIZE, FrameKey, frame_header
+from kvdi.connectors.store.protocol import BlockStore
 
 ROOT = Path(__file__).resolve().parents[2]
 FINGERPRINTS = (bytes(range(16)), bytes(range(16, 32)))  # two layouts: a fleet's store holds several models
@@ -51,3 +55,22 @@ def kvdi(*args: str, env: dict[str, str], stdin: str | None = None) -> subproces
         timeout=120,
         input=stdin,
     )
+
+
+A = Geometry("model-a", 2, 2, 8, 4, "float16", section_layers=1)  # 4 canonical sections a block
+B = Geometry("model-b", 2, 2, 8, 4, "float16")  # 2 sections a block (all layers, one head each)
+BLOCKS_A = [bytes([0xA0 + i]) * 16 for i in range(4)]
+BLOCKS_B = [bytes([0xB0 + i]) * 16 for i in range(2)]
+FP_A, FP_B = A.fingerprint().hex(), B.fingerprint().hex()
+
+
+def layers(g: Geometry, seed: int) -> list[bytes]:
+    """One block of the whole model, one buffer per layer (kvdi's order)."""
+    size = 2 * g.block_size * g.num_kv_heads * g.head_dim * g.elem_bytes
+    return [bytes((seed * 7 + layer * 3 + i) % 251 for i in range(size)) for layer in range(g.num_layers)]
+
+
+def write_sections(store: BlockStore, g: Geometry, blocks: list[bytes], frame_key: FrameKey | None = None) -> None:
+    """Every canonical section of ``blocks`` written by kvdi's canonical writer (a TP=1 rank of the whole model)."""
+    rank = CanonicalRank(store, g, RankPart.of(g), key=frame_key)
+    assert rank.save([(k, layers(g, i)) for i, k in enumerate(blocks)]) == len(blocks) * len(g.sections())

@@ -119,3 +119,37 @@ def test_cli_on_cluster_and_unreachable_server(cluster: RedisClusterServers) -> 
     )
     assert dead.returncode == 2 and dead.stderr.count("\n") == 1
     assert "s3cret" not in dead.stderr and "Traceback" not in dead.stderr
+
+
+def test_cluster_canonical_sections_per_node_verified_and_cleared_by_model(cluster: RedisClusterServers) -> None:
+    """Canonical sections spread over the masters: counted per format and node, verified good (one flipped bit
+    bad), cleared by ``canonical:<fingerprint>`` beside per-rank frames that stay."""
+    from kvdi.admin import Selection, parse_layout
+    from tests.admin.helpers import BLOCKS_A, FP_A, A, write_sections
+
+    options = RedisSettings(url=cluster.url, cluster=True, key_prefix="canon:")
+    store = RedisClusterBlockStore(options)
+    try:
+        write_sections(store, A, BLOCKS_A)  # 16 sections
+        assert store.put_many([(key(i), [frame(i)]) for i in range(4)]) == 4
+    finally:
+        store.close()
+    client = redis.RedisCluster.from_url(cluster.url)
+    name = f"canon:{A.sections()[0].key(BLOCKS_A[0]).hex()}"
+    data = bytearray(client.get(name))
+    data[-1] ^= 1
+    client.set(name, bytes(data))
+    settings = load_settings(kv_connector="redis", redis=options.model_dump() | {"url": cluster.url})
+    admin = open_admin(settings)
+    try:
+        stats = store_stats(admin)
+        assert {n: g.objects for n, g in stats.formats.items()} == {"canonical": 16, "per_rank": 4}
+        assert sum(g.objects for g in stats.nodes.values()) == 20 and len(stats.nodes) == 3
+        report = verify_store(admin)
+        assert [(b.reason, b.format) for b in report.bad] == [("checksum", "canonical")] and report.good == 19
+        removed = clear_store(admin, selection=Selection(parse_layout(f"canonical:{FP_A}")))
+        assert removed.formats == {"canonical": 16}
+        assert {n: g.objects for n, g in store_stats(admin).formats.items()} == {"per_rank": 4}
+    finally:
+        admin.close()
+        client.close()

@@ -16,8 +16,11 @@ import functools
 import hashlib
 import hmac
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import xxhash
 
 from kvdi.connectors.store.framing import MAGIC as PER_RANK_MAGIC
 from kvdi.connectors.store.framing import Buffer, CorruptObjectError, FrameKey, checksum, name_field
@@ -272,31 +275,28 @@ def open_section(
 
 def verify_section(
     header: Buffer,
-    payload: Buffer | Sequence[Buffer],
+    payload: Buffer | Iterable[Buffer],
     geometry: Geometry,
     section: Section,
     key: FrameKey | None = None,
     *,
     name: Buffer,
+    fingerprint: bytes | None = None,
 ) -> None:
-    """Check a section read as its header and its payload (whole, or the list of pieces it was read into):
-    every header field, then the checksum (or the MAC), one pass over the payload.
+    """Check a section read as its header and its payload (whole, or the pieces it was read into: any iterable,
+    so ``kvdi store verify`` streams one through in bounded chunks): every header field against ``geometry``,
+    ``section``, the object ``name`` and ``fingerprint`` (default: the geometry's), then the length, then the
+    checksum (or the MAC), one pass over the payload.
 
     Raises :class:`~.framing.CorruptObjectError` with the first reason that applies; a per-rank
     frame (magic ``KVDI``) is reason ``old_format``.
     """
     view = memoryview(header).cast("B")
-    if bytes(view[:4]) == PER_RANK_MAGIC:
-        raise CorruptObjectError("old_format", "a per-rank frame where a canonical section was expected")
-    magic, version, flags, fp, stored_name, *rest = _HEADER.unpack_from(view)
+    _, _, flags, fp, stored_name, *rest = _unpack(view)
     ranges, geom, (dtype, order), length, digest, mac = rest[:4], rest[4:8], rest[8:10], rest[10], rest[11], rest[12]
-    if magic != MAGIC:
-        raise CorruptObjectError("magic", f"expected {MAGIC!r}, got {bytes(magic)!r}")
-    if version != CANONICAL_VERSION:
-        raise CorruptObjectError("version", f"canonical format version {version}, this kvdi reads {CANONICAL_VERSION}")
     if flags & ~FLAG_MAC or order != ORDER_LNHKD or bool(flags & FLAG_MAC) == (mac == _NO_MAC):
         raise CorruptObjectError("header", f"flags {flags:#x} / order {order} / MAC field disagree")
-    if fp != geometry.fingerprint():
+    if fp != (geometry.fingerprint() if fingerprint is None else fingerprint):
         raise CorruptObjectError("fingerprint", "written for another model, dtype, geometry or grid")
     if stored_name != name_field(name):
         raise CorruptObjectError("name", "written for another block or section (copied or renamed in the store)")
@@ -305,23 +305,59 @@ def verify_section(
     g = geometry
     if tuple(geom) != (g.num_layers, g.num_kv_heads, g.head_dim, g.block_size) or dtype != DTYPE_CODES[g.dtype]:
         raise CorruptObjectError("geometry", f"geometry {tuple(geom)} dtype {dtype} does not match this model")
-    pieces = _pieces(payload)
-    expected, got = geometry.section_bytes(section), sum(memoryview(p).nbytes for p in pieces)
-    if length != expected or got != expected:
-        raise CorruptObjectError("length", f"{got} B of payload, header says {length} B, need {expected} B")
-    checked = view[: _CHECKED.size]
+    expected = geometry.section_bytes(section)
+    if length != expected:
+        raise CorruptObjectError("length", f"header says {length} B of payload, need {expected} B")
+    h = xxhash.xxh3_64() if key is None else key.mac()
+    got = 0
+    for piece in [payload] if isinstance(payload, bytes | bytearray | memoryview) else payload:
+        got += memoryview(piece).nbytes
+        h.update(piece)
+    if got != expected:
+        raise CorruptObjectError("length", f"{got} B of payload, need {expected} B")
     if key is None:
-        if checksum([*pieces, checked]) != digest:
+        h.update(view[: _CHECKED.size])
+        if h.intdigest() != digest:
             raise CorruptObjectError("checksum", "payload does not match its section checksum")
         return
     if not flags & FLAG_MAC:
         raise CorruptObjectError("mac", "section carries no MAC but an integrity key is set")
-    h = key.mac()
-    for piece in pieces:
-        h.update(piece)
     h.update(view[: _FIELDS.size])
     if not hmac.compare_digest(h.digest(), bytes(mac)):
         raise CorruptObjectError("mac", "MAC does not verify under this integrity key (forged or other key)")
+
+
+def _unpack(view: memoryview) -> tuple[Any, ...]:
+    """A header's fields, once its magic and version are this kvdi's (else ``old_format``, ``magic``, ``version``)."""
+    if bytes(view[:4]) == PER_RANK_MAGIC:
+        raise CorruptObjectError("old_format", "a per-rank frame where a canonical section was expected")
+    fields = _HEADER.unpack_from(view)
+    if fields[0] != MAGIC:
+        raise CorruptObjectError("magic", f"expected {MAGIC!r}, got {bytes(fields[0])!r}")
+    if fields[1] != CANONICAL_VERSION:
+        raise CorruptObjectError("version", f"canonical format version {fields[1]}, kvdi reads {CANONICAL_VERSION}")
+    return fields
+
+
+def declared_section(header: Buffer) -> tuple[bytes, Geometry, Section]:
+    """The fingerprint, model geometry and grid (model id unknown: "") and section a header declares, to check a
+    section against itself (``kvdi store verify``: a store holds every model's). CorruptObjectError as a load."""
+    fields = _unpack(memoryview(header).cast("B"))
+    (ls, lc, hs, hc), (nl, nh, hd, bs), dtype = fields[5:9], fields[9:13], fields[13]
+    if lc <= 0 or hc <= 0 or ls % lc or hs % hc or ls + lc > nl or hs + hc > nh:
+        raise CorruptObjectError("range", f"layers/heads {(ls, lc, hs, hc)} are no section of {nl} x {nh}")
+    dtypes = {code: name for name, code in DTYPE_CODES.items()}
+    try:
+        g = Geometry("", nl, nh, hd, bs, dtypes.get(dtype, str(dtype)), section_layers=lc, section_heads=hc)
+    except ValueError as exc:
+        raise CorruptObjectError("geometry", str(exc)) from None
+    return bytes(fields[3]), g, Section(ls, lc, hs, hc)
+
+
+def section_identity(header: Buffer) -> tuple[int, bytes, bytes]:
+    """The version, fingerprint and name field of a (128-byte) canonical header of any version (``kvdi store``)."""
+    _, version, _, fp, stored_name = _HEADER.unpack_from(memoryview(header).cast("B"))[:5]
+    return int(version), bytes(fp), bytes(stored_name)
 
 
 def frame_kind(buf: Buffer) -> str:
@@ -339,10 +375,12 @@ __all__ = [
     "Geometry",
     "RankPart",
     "Section",
+    "declared_section",
     "frame_kind",
     "frame_section",
     "open_section",
     "read_plan",
+    "section_identity",
     "verify_section",
     "write_plan",
 ]

@@ -1,0 +1,107 @@
+"""Canonical sections (``format=canonical``, docs/stored-format.md) as ``kvdi store`` sees them.
+
+An object is a canonical section kvdi wrote when its first 128 bytes are a whole canonical header
+(magic ``KVDC``) whose name field is the object's own name: the binding every load checks, so
+another application's value that happens to open with the magic, or a section copied under
+another name, is never taken for one (it is foreign: listed, never removed). A section of
+another format version (1: payload order ``LKHTD``, which a load counts as a ``version`` miss) is
+kvdi's too, told apart by :func:`section_format`. ``verify`` checks a section as a load would,
+against itself (:func:`check_section_streamed`: a store holds every model's sections), reusing
+the loader's own checks in :mod:`kvdi.connectors.store.canonical`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from kvdi.connectors.store.canonical import (
+    CANONICAL_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    declared_section,
+    section_identity,
+    verify_section,
+)
+from kvdi.connectors.store.framing import CorruptObjectError, FrameKey, name_field
+
+if TYPE_CHECKING:
+    from kvdi.admin.model import StoreAdmin, StoreObject
+
+CANONICAL = "canonical"
+"""The format label of a section of this kvdi's version (``canonical_v1`` etc. for others)."""
+HEAD_BYTES = HEADER_SIZE
+"""A canonical header's size (128 B): what is read of an object to tell a section (a per-rank header is 88 B)."""
+
+
+def has_section_header(head: bytes) -> bool:
+    """Whether an object's first bytes are a whole header opening with the canonical magic (bound or not)."""
+    return len(head) >= HEADER_SIZE and head[: len(MAGIC)] == MAGIC
+
+
+def section_format(name: str, head: bytes) -> str | None:
+    """``canonical`` (this kvdi's version) or ``canonical_v<N>`` when ``head`` (an object's first bytes, stored
+    under the 32-hex-digit ``name``) is a whole canonical header bound to that name; None otherwise."""
+    if not has_section_header(head):
+        return None
+    version, _, stored_name = section_identity(head)
+    try:
+        if stored_name != name_field(bytes.fromhex(name)):
+            return None
+    except ValueError:
+        return None
+    return CANONICAL if version == CANONICAL_VERSION else f"{CANONICAL}_v{version}"
+
+
+def group_of(fmt: str, head: bytes) -> str:
+    """The ``stats`` row of a section: ``canonical:<fingerprint>`` (``canonical_v1:<fingerprint>`` for version 1)."""
+    return f"{fmt}:{section_identity(head)[1].hex()}"
+
+
+def _chunks(admin: StoreAdmin, obj: StoreObject, chunk: int) -> Iterator[bytes]:
+    """The payload of ``obj`` in pieces of at most ``chunk`` bytes (one in memory at a time); CorruptObjectError
+    ``vanished`` or ``length`` when the store has less than its size."""
+    offset = HEADER_SIZE
+    while offset < obj.size:
+        want = min(chunk, obj.size - offset)
+        (piece,) = admin.read_many([obj], offset, want)
+        if piece is None:
+            raise CorruptObjectError("vanished", "removed while it was read")
+        if len(piece) != want:
+            raise CorruptObjectError("length", f"{len(piece)} B where {want} B were expected")
+        yield piece
+        offset += want
+
+
+def check_section_streamed(
+    admin: StoreAdmin, obj: StoreObject, head: bytes, key: FrameKey | None, max_object_bytes: int, chunk: int
+) -> str | None:
+    """Why the canonical section ``obj`` (``head``: its first bytes) would not load, or None when it would.
+
+    Every header field is checked as a load checks it (magic, version, flags, name, the section's
+    ranges a cell of the model's grid, the declared length against the object's size), then its
+    checksum or, with ``key``, its MAC over the payload streamed in ``chunk`` pieces; any model is
+    valid (the fingerprint a load compares with its own is unknown here)."""
+    if obj.size > max_object_bytes:
+        return "oversize"
+    try:
+        fingerprint, geometry, section = declared_section(head)
+        if obj.size != HEADER_SIZE + geometry.section_bytes(section):
+            return "length"  # (a header declaring another length is one too: checked with every field below)
+        chunks = _chunks(admin, obj, chunk)
+        verify_section(
+            head[:HEADER_SIZE], chunks, geometry, section, key, name=bytes.fromhex(obj.name), fingerprint=fingerprint
+        )
+    except CorruptObjectError as exc:
+        return exc.reason
+    return None
+
+
+__all__ = [
+    "CANONICAL",
+    "HEAD_BYTES",
+    "check_section_streamed",
+    "group_of",
+    "has_section_header",
+    "section_format",
+]
