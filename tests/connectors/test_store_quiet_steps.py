@@ -17,6 +17,7 @@ from kvdi.connectors.base import KVRequest, ScheduledRequest, SchedulerOutput
 from kvdi.connectors.shared_storage import FileBlockStore
 from kvdi.connectors.store import StoreTransferMetadata
 from kvdi.connectors.store.deadline import MIN_STEP_TOKENS
+from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue
 from kvdi.integrations.vllm.fleet.store_metrics import StoreCounters
 from tests.helpers.store import DictStore, Engine, make_settings, request, small_layout
@@ -195,3 +196,25 @@ def test_the_store_size_gauge_follows_the_workers_saves(tmp_path: Path) -> None:
     prefill_step(engine)  # written in the step: the gauge is read again, without a counter passed in
     assert (counters.entry(None) or {})["g|worker|0-0|store_bytes|disk"] == float(store.stored_bytes or 0) > 0
     assert counters.entry(None) is None
+
+
+def test_the_staged_bytes_gauge_follows_a_prefetch_until_its_staging_is_dropped() -> None:
+    store = DictStore()
+    Engine(store, LAYOUT, make_settings(), seed=1).prefill(PROMPT, BLOCKS)
+    engine = Engine(store, LAYOUT, make_settings(transfer={"async_load": "prefetch"}), seed=2)
+    assert engine.scheduler.enable_prefetch()
+    worker, counters = engine.worker, StoreCounters("worker", "0-0", engine.worker, [])
+    staged = "g|worker|0-0|prefetch_staged_bytes|"
+    assert (counters.entry(None) or {})[staged] == 0.0
+    assert engine.scheduler.get_num_new_matched_tokens(PROMPT, 0) == (None, False)
+    worker.bind_connector_metadata(engine.scheduler.build_connector_meta(QUIET))  # the prefetch starts
+    assert (counters.entry(None) or {})[staged] == 4.0 * (LAYOUT.block_bytes + HEADER_SIZE)
+    assert worker.staging is not None and worker.staging.wait(10)
+    engine.scheduler.prefetched(worker.prefetch_reports())
+    assert worker.prefetch_reports() == []  # reported once; the staging is held for the load
+    assert engine.scheduler.request_finished(PROMPT, []) == (False, None)
+    worker.bind_connector_metadata(engine.scheduler.build_connector_meta(QUIET))  # the drop
+    assert counters.entry(None) == {staged: 0.0}
+    worker.prefetch_reports()  # nothing staged any more: the last report (and gauge read), then quiet
+    assert counters.entry(None) is None
+    assert calls(worker.prefetch_reports) == (1, []) and calls(counters.entry, None) == (1, None)
