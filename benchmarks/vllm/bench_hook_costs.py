@@ -15,12 +15,16 @@ with their spread), and kvdi's excess over the do-nothing connector. It also lis
 leaves running. Run it against another tree (before a change) with ``PYTHONPATH=<that tree>``:
 
     PYTHONPATH=$PWD .venv-vllm/bin/python -m benchmarks.vllm.bench_hook_costs [--configs noop null] [--running 4]
+
+With ``redis`` among the configs it starts a throwaway ``redis-server`` on a loopback port (``KVDI_REDIS__URL``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import os
 import statistics
 import sys
 import tempfile
@@ -139,8 +143,12 @@ def main() -> None:
     args = parser.parse_args()
     from tests.real_vllm.vllm_support import make_tiny_llama
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
+        if "redis" in args.configs:
+            from kvdi.testing.redis_server import RedisServer
+
+            os.environ["KVDI_REDIS__URL"] = stack.enter_context(RedisServer()).url
         model = make_tiny_llama(work / "model")
         pairs = {name: Pair(name, model, args.running, work) for name in args.configs}
         time.sleep(0.5)

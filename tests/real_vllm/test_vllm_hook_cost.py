@@ -39,6 +39,23 @@ def pairs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             connector.shutdown()
 
 
+@pytest.fixture
+def store_pairs(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, Pair]]:
+    """``shared_storage`` for 4 and 64 running requests; shut down after the test (their prompts' saves started the
+    save threads: the null test that follows must see none)."""
+    built = {"4": Pair("shared_storage", tiny_model, 4, tmp_path)}
+    (tmp_path / "64").mkdir()
+    built["64"] = Pair("shared_storage", tiny_model, 64, tmp_path / "64", engine_id="hooks-shared-64")
+    for pair in built.values():
+        pair.worker.worker_side.half.flush()  # the prompts' saves written and collected, then reported: quiet from now
+        for output in pair.outputs(2):
+            pair.one_step(output)
+    yield built
+    for pair in built.values():
+        for connector in (pair.scheduler, pair.worker):
+            connector.shutdown()
+
+
 def calls_per_hook(pair: Pair, steps: int = STEPS) -> dict[str, float]:
     """Python calls per step made inside each hook (the hook itself included)."""
     counts: dict[str, int] = {}
@@ -97,6 +114,24 @@ def test_a_decode_step_costs_null_the_same_for_4_and_64_running_requests_and_at_
     assert sum(four.values()) <= 2 * sum(noop.values()), (four, noop)
     for hook in ("sched.build_connector_meta", "worker.bind_connector_metadata", "worker.get_transfer_results"):
         assert four[hook] <= 4, (hook, four[hook])
+
+
+def test_a_store_connectors_quiet_decode_step_costs_what_nulls_does_but_planning_an_empty_output(
+    pairs: dict[str, Pair], store_pairs: dict[str, Pair]
+) -> None:
+    """Before: 75 calls a step against null's 44: the store scheduler planned an empty output (the deadline's sample,
+    ``is_producer``, the lookup flush, the prefetcher: 8 calls), the worker harvested its empty queue twice (8) and
+    read every gauge for the Prometheus entry (12), and asked its empty staging for prefetch reports (3)."""
+    store, store_64, null = (
+        calls_per_hook(store_pairs["4"]),
+        calls_per_hook(store_pairs["64"]),
+        calls_per_hook(pairs["null"]),
+    )
+    assert store == store_64
+    assert sum(store.values()) <= sum(null.values()) + 4, (store, null)
+    assert store["sched.build_connector_meta"] <= null["sched.build_connector_meta"] + 3  # the empty output planned
+    for hook in ("worker.get_transfer_results", "worker.get_kv_connector_stats", "sched.get_kv_connector_stats"):
+        assert store[hook] <= null[hook], (hook, store[hook], null[hook])
 
 
 def test_a_step_that_moves_nothing_shares_one_envelope_and_leaves_kvdis_worker_half_alone(

@@ -7,6 +7,11 @@ With ``transfer.async_load`` a load runs beside the compute: the answer is
 it. With ``transfer.async_save`` (or an asynchronous load) a finished request's blocks are
 held (``delay_free=True``) until the worker half reports it in ``get_finished``.
 With ``scheduler.load_deadline`` a lookup, a hit and a prefetch pass the cost model's rule first (:mod:`.deadline`).
+
+A step that schedules and finishes nothing (the vLLM adapter's decode step where no request can move a block), after
+no lookup, allocation or finished request since the last plan, answers a shared empty metadata at once: no lookup is
+queued to flush, no prefetch to send, and the prefill rate's sample is taken only when it counts (the previous step
+scheduled :data:`~.deadline_estimates.MIN_STEP_TOKENS` or more, or the rule is on and may have probes to count).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from kvdi.connectors.base import (
     loadable_tokens,
 )
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.store.deadline import DeadlineRule, DeadlineStats
+from kvdi.connectors.store.deadline import MIN_STEP_TOKENS, DeadlineRule, DeadlineStats
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.keys import block_keys
 from kvdi.connectors.store.load_policy import ASYNC_LOAD_MIN_BYTES, AUTO_PREFETCH_LOOKUP_S, LoadPolicy
@@ -47,6 +52,9 @@ class StoreTransferMetadata(BlockTransferMetadata):
     async_save: bool = False
     prefetches: tuple[BlockTransfer, ...] = ()  # keys to fetch into host staging (:mod:`.prefetch`)
     prefetch_drops: tuple[str, ...] = ()  # requests whose staging is of no more use
+
+
+_NOTHING = (StoreTransferMetadata(), StoreTransferMetadata(async_save=True))  # a step that moves nothing, by async_save
 
 
 class StoreSchedulerConnector(SchedulerConnector):
@@ -70,6 +78,8 @@ class StoreSchedulerConnector(SchedulerConnector):
         self.deadline = DeadlineRule(self.store, self.name, self.stats, enabled=scheduler.load_deadline,
                                      margin=scheduler.load_deadline_margin)  # fmt: skip
         self._recompute: set[str] = set()  # requests whose prefetch overran its deadline: they compute
+        self._due = True  # a lookup, an allocation or a finished request since the last plan: the next one is full
+        self._sampling = False  # the last step sampled scheduled MIN_STEP_TOKENS or more: the next step closes it
 
     def enable_lookups(self, unavailable: str | None = None) -> bool:
         """Called once by a host that asks again after a ``None`` answer (the vLLM adapter), with why lookups cannot
@@ -117,6 +127,7 @@ class StoreSchedulerConnector(SchedulerConnector):
         """Tokens to load beyond ``num_computed_tokens`` and whether the load is asynchronous; with prefetch,
         ``(None, False)`` (ask again) while the hit is fetched into host staging, then a synchronous load
         of exactly the blocks that arrived (no second lookup in the store)."""
+        self._due = True  # it may queue a lookup or a prefetch, or release staging: the next plan sends them
         if request.request_id in self._recompute:
             return 0, False  # its prefetch overran its deadline: it computes
         if self.prefetch is not None:
@@ -225,6 +236,7 @@ class StoreSchedulerConnector(SchedulerConnector):
         return min(stored, len(keys))
 
     def update_state_after_alloc(self, request: KVRequest, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        self._due = True
         plan = self._plans.get(request.request_id)
         if plan is not None:
             plan.looked_up_at = -1  # scheduled: a lookup after a preemption asks the store again, once
@@ -244,6 +256,14 @@ class StoreSchedulerConnector(SchedulerConnector):
         plan.load_start = plan.load_end = 0
 
     def build_connector_meta(self, output: SchedulerOutput) -> KVConnectorMetadata:
+        """The step's loads, saves and prefetches; a step that schedules and finishes nothing after nothing new
+        (see the module docstring) answers the shared empty metadata without planning."""
+        if not (output.scheduled or output.finished_req_ids or self._due):
+            if self._sampling or self.deadline.enabled:
+                self.deadline.step(0)  # closes the last step's sample, or counts the rule's probes
+                self._sampling = False
+            return _NOTHING[self._transfer.async_save]
+        self._due = False
         loads: list[BlockTransfer] = []
         saves: list[BlockTransfer] = []
         producer = self.context.settings.is_producer
@@ -276,7 +296,9 @@ class StoreSchedulerConnector(SchedulerConnector):
         for rid in output.finished_req_ids:
             self._plans.pop(rid, None)
             self._recompute.discard(rid)
-        self.deadline.step(sum(s.num_scheduled_tokens for s in output.scheduled))  # the prefill rate's sample
+        tokens = sum(s.num_scheduled_tokens for s in output.scheduled)
+        self.deadline.step(tokens)  # the prefill rate's sample
+        self._sampling = tokens >= MIN_STEP_TOKENS
         if self.lookups is not None:
             self.lookups.flush()  # the step's queued lookups, in one background round trip
         prefetches, drops = self.prefetch.take() if self.prefetch is not None else ((), ())
@@ -290,6 +312,7 @@ class StoreSchedulerConnector(SchedulerConnector):
 
     def request_finished(self, request: KVRequest, block_ids: Sequence[int]) -> tuple[bool, dict[str, object] | None]:
         """Hold the blocks (``delay_free``) when an asynchronous transfer of this request reached the worker."""
+        self._due = True  # its prefetch staging, if any, is dropped by the next plan
         self._async_loads.pop(request.request_id, None)  # planned, never sent: nothing to wait for
         self._recompute.discard(request.request_id)
         if self.lookups is not None:

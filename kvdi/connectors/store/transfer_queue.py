@@ -58,13 +58,15 @@ class TransferQueue:
         """Loads that run at once (``transfer.load_threads`` for the store connectors)."""
         self._saver: ThreadPoolExecutor | None = None
         self._loader: ThreadPoolExecutor | None = None
-        self._jobs: list[_Job] = []
+        self.jobs: list[_Job] = []
+        """Jobs queued, running, or finished and not collected, in submission order; empty: nothing in flight (read
+        it, never change it, outside: an empty list is the worker half's check for a step with nothing to collect)."""
         self.backpressure_waits = 0
 
     @property
     def inflight_bytes(self) -> int:
         """Bytes of saves queued or running (finished ones no longer count, collected or not)."""
-        return sum(j.nbytes for j in self._jobs if not j.is_load and not j.future.done())
+        return sum(j.nbytes for j in self.jobs if not j.is_load and not j.future.done())
 
     def _pool(self, is_load: bool) -> ThreadPoolExecutor:
         if is_load:
@@ -82,21 +84,25 @@ class TransferQueue:
         waiting stay queued for :meth:`harvest`.
         """
         while self.inflight_bytes and self.inflight_bytes + nbytes > self.max_inflight_bytes:
-            running = [j.future for j in self._jobs if not j.is_load and not j.future.done()]
+            running = [j.future for j in self.jobs if not j.is_load and not j.future.done()]
             self.backpressure_waits += 1
             wait(running, return_when=FIRST_COMPLETED)
-        self._jobs.append(_Job(request_id, False, nbytes, blocks, self._pool(False).submit(job)))
+        self.jobs.append(_Job(request_id, False, nbytes, blocks, self._pool(False).submit(job)))
 
     def submit_load(self, request_id: str, blocks: tuple[int, ...], job: Callable[[], Outcome]) -> None:
         """Queue a load; its outcome comes back through :meth:`harvest`."""
-        self._jobs.append(_Job(request_id, True, 0, blocks, self._pool(True).submit(job)))
+        self.jobs.append(_Job(request_id, True, 0, blocks, self._pool(True).submit(job)))
 
-    def harvest(self, loads: bool) -> list[Outcome]:
-        """Outcomes of finished jobs (saves, or loads when ``loads``), removed from the queue; never blocks."""
-        done = [j for j in self._jobs if j.is_load == loads and j.future.done()]
+    def harvest(self, loads: bool | None = None) -> list[Outcome]:
+        """Outcomes of finished jobs (saves, or loads when ``loads``; both when None, loads first), removed from the
+        queue in one pass; never blocks. A job finishing meanwhile stays queued for the next harvest."""
+        done = [j for j in self.jobs if (loads is None or j.is_load == loads) and j.future.done()]
         if not done:
             return []
-        self._jobs = [j for j in self._jobs if not (j.is_load == loads and j.future.done())]
+        taken = {id(j) for j in done}
+        self.jobs = [j for j in self.jobs if id(j) not in taken]
+        if loads is None:
+            done = [j for j in done if j.is_load] + [j for j in done if not j.is_load]
         return [self._outcome(j) for j in done]
 
     def _outcome(self, job: _Job) -> Outcome:
@@ -113,17 +119,17 @@ class TransferQueue:
 
     def pending(self, request_id: str) -> bool:
         """True while a job of the request is queued, running, or finished but not collected."""
-        return any(j.request_id == request_id for j in self._jobs)
+        return any(j.request_id == request_id for j in self.jobs)
 
     @property
     def loads_in_flight(self) -> int:
         """Loads queued or running (finished ones, collected or not, no longer count)."""
-        return sum(1 for j in self._jobs if j.is_load and not j.future.done())
+        return sum(1 for j in self.jobs if j.is_load and not j.future.done())
 
     def wait_loads(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` until some load has finished (collected or not); True when one has, or
         when none was in flight. Waits on a condition variable, so the GIL is free for the loader meanwhile."""
-        loads = [j.future for j in self._jobs if j.is_load]
+        loads = [j.future for j in self.jobs if j.is_load]
         if not loads:
             return True
         done, _ = wait(loads, timeout=timeout_s, return_when=FIRST_COMPLETED)
@@ -131,7 +137,7 @@ class TransferQueue:
 
     def wait(self, request_ids: Collection[str] | None = None) -> None:
         """Block until every job (or every job of ``request_ids``) has finished; collects nothing."""
-        futures = [j.future for j in self._jobs if request_ids is None or j.request_id in request_ids]
+        futures = [j.future for j in self.jobs if request_ids is None or j.request_id in request_ids]
         wait(futures)
 
     def shutdown(self) -> None:

@@ -89,6 +89,8 @@ class StoreWorkerConnector(WorkerConnector):
         self._received: set[str] = set()
         self._logged: set[str] = set()
         self._block_event: Callable[[bool, bytes], None] | None = None  # :meth:`watch_blocks` (KV cache events)
+        self._prefetching = False  # prefetches sent or staged since the last report: there may be reports
+        self.gauge_epoch = 0  # bumped when gauges may move: work bound, in flight, collected (vllm.fleet.store_metrics)
 
     def watch_blocks(self, event: Callable[[bool, bytes], None]) -> None:  # :class:`..base.BlockEventSource`
         self._block_event = self._writer.block_event = event
@@ -112,7 +114,12 @@ class StoreWorkerConnector(WorkerConnector):
         return self.prefetching.staged_bytes
 
     def prefetch_reports(self) -> list[tuple[str, int]]:  # :class:`~kvdi.connectors.base.PrefetchingWorker`
-        return self.prefetching.reports()
+        if not self._prefetching:
+            return []  # nothing sent or staged since the last call: no report can have come
+        reports = self.prefetching.reports()
+        self._prefetching = self.staging is not None and bool(self.staging.requests)  # staged: more may come
+        self.gauge_epoch += 1
+        return reports
 
     def _cache(self) -> CacheIO:
         return self._cache_ios().io
@@ -158,9 +165,11 @@ class StoreWorkerConnector(WorkerConnector):
         an asynchronous load, or a save while ``transfer.async_save`` is on. Metadata rewritten by an adapter
         into a plain :class:`BlockTransferMetadata` runs synchronously, yet its requests are still reported."""
         super().bind_connector_metadata(metadata)
+        self.gauge_epoch += 1
         if isinstance(metadata, StoreTransferMetadata):
             self._held.update(t.request_id for t in metadata.async_loads)
             self.prefetching.apply(metadata.prefetches, metadata.prefetch_drops)
+            self._prefetching |= bool(metadata.prefetches or metadata.prefetch_drops)
         if isinstance(metadata, BlockTransferMetadata) and self._async_save:
             self._held.update(t.request_id for t in metadata.saves)
 
@@ -168,6 +177,7 @@ class StoreWorkerConnector(WorkerConnector):
 
     def _collect(self, outcomes: list[Outcome]) -> None:
         """Apply finished jobs on the engine thread: counters, load errors, finished loads."""
+        self.gauge_epoch += bool(outcomes)
         for out in outcomes:
             add_stats(self.stats, out.stats)
             if out.is_load:
@@ -176,10 +186,12 @@ class StoreWorkerConnector(WorkerConnector):
                     self._received.add(out.request_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Finished sending: finished requests whose asynchronous jobs are all done; finished receiving:
-        requests whose asynchronous load has finished by now (reported in the step it finished in)."""
-        self._collect(self._queue.harvest(loads=True))
-        self._collect(self._queue.harvest(loads=False))
+        """Finished sending: finished requests whose asynchronous jobs are all done; finished receiving: requests whose
+        asynchronous load has finished by now (reported in the step it finished in). Nothing queued: at once."""
+        if not (self._queue.jobs or self._finishing or self._received or (finished_req_ids and self._held)):
+            return None, None
+        self.gauge_epoch += 1  # background work in flight may have moved a gauge
+        self._collect(self._queue.harvest())
         self._finishing.update(r for r in finished_req_ids if r in self._held)
         sending = {r for r in self._finishing if not self._queue.pending(r)}
         self._finishing -= sending

@@ -11,6 +11,11 @@ For the series of vLLM's offloading connector (:mod:`.offload_series`) it also s
 ``tier_info`` per store tier (``g|worker|<rank>|tier_info|<index>:<kind>|<store class>``) and,
 for a store of one tier, that tier's share of the step's transfers
 (``c|worker|tier_read_bytes|<tier>`` and the like: all of them).
+
+vLLM asks for stats every step. A half that says when its gauges may move (:class:`GaugeEpoch`: the store worker
+half bumps ``gauge_epoch`` when it binds work, while work is in flight and when it collects some) has them read only
+then: a step with no counter moved, no eviction, and the same epoch as the last read answers None without reading a
+gauge. Gauges are still current at every answer: each source moves only through this rank's transfers.
 """
 
 from __future__ import annotations
@@ -32,6 +37,13 @@ class SizedStore(Protocol):
     def stored_bytes(self) -> int | None: ...
 
 
+@runtime_checkable
+class GaugeEpoch(Protocol):
+    """A worker half whose gauges (and its stores' sizes and breakers) move only when ``gauge_epoch`` changed."""
+
+    gauge_epoch: int
+
+
 class StoreCounters(FleetCounters):
     """A worker rank's Prometheus additions with its stores' evictions and sizes (see the module docstring)."""
 
@@ -44,6 +56,10 @@ class StoreCounters(FleetCounters):
         names = tier_labels(StoreCapabilities.of(leaf).hit_source for leaf in leaves)
         self._tiers = [(tier, type(leaf).__name__) for tier, leaf in zip(names, leaves, strict=True)]
         self._tiers_sent = False
+        self._epochs = half if isinstance(half, GaugeEpoch) else None
+        self._epoch = -1  # the half's epoch at the last read of the gauges
+        # Nothing to read on a quiet step: the half says when its gauges move, or nothing here is a gauge.
+        self._skips_quiet = self._epochs is not None or not (self._gauges_due or self._sized)
 
     def evictions(self, queue: deque[bytes] | None) -> Callable[[bytes], None]:
         """The watcher for one store's ``watch_evictions``: counts each eviction, queues its key for events."""
@@ -56,6 +72,19 @@ class StoreCounters(FleetCounters):
         return evicted
 
     def entry(self, delta: dict[str, int | float] | None) -> dict[str, Any] | None:
+        """This step's :data:`~.counters.PROM_KEY` entry; None at once on a quiet step (see the module docstring)."""
+        epochs = self._epochs
+        if (
+            not delta
+            and self._skips_quiet
+            and self._tiers_sent
+            and self.evicted_blocks == self._reported_evicted
+            and self.lookup_miss_blocks == self.reported_misses
+            and (epochs is None or epochs.gauge_epoch == self._epoch)
+        ):
+            return None
+        if epochs is not None:
+            self._epoch = epochs.gauge_epoch
         out = super().entry(delta) or {}
         evicted = self.evicted_blocks - self._reported_evicted
         if evicted:
@@ -82,4 +111,4 @@ class StoreCounters(FleetCounters):
                     out[f"c|{self.role}|{per_tier}|{tier}"] = delta[name]
 
 
-__all__ = ["SizedStore", "StoreCounters"]
+__all__ = ["GaugeEpoch", "SizedStore", "StoreCounters"]
