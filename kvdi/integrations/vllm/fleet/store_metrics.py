@@ -15,7 +15,9 @@ for a store of one tier, that tier's share of the step's transfers
 vLLM asks for stats every step. A half that says when its gauges may move (:class:`GaugeEpoch`: the store worker
 half bumps ``gauge_epoch`` when it binds work, while work is in flight and when it collects some) has them read only
 then: a step with no counter moved, no eviction, and the same epoch as the last read answers None without reading a
-gauge. Gauges are still current at every answer: each source moves only through this rank's transfers.
+gauge. Gauges are still current at every answer: each source but a breaker moves only through this rank's
+transfers; a store with breakers (Redis) has its gauges read every step (a breaker opens on the scheduler's lookups
+too, and closes on its reset time).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class SizedStore(Protocol):
 
 @runtime_checkable
 class GaugeEpoch(Protocol):
-    """A worker half whose gauges (and its stores' sizes and breakers) move only when ``gauge_epoch`` changed."""
+    """A worker half whose gauges (and its stores' sizes, not breakers) move only when ``gauge_epoch`` changed."""
 
     gauge_epoch: int
 
@@ -58,8 +60,10 @@ class StoreCounters(FleetCounters):
         self._tiers_sent = False
         self._epochs = half if isinstance(half, GaugeEpoch) else None
         self._epoch = -1  # the half's epoch at the last read of the gauges
-        # Nothing to read on a quiet step: the half says when its gauges move, or nothing here is a gauge.
-        self._skips_quiet = self._epochs is not None or not (self._gauges_due or self._sized)
+        # Nothing to read on a quiet step: the half says when its gauges move, or nothing here is a gauge. Never with
+        # breakers: a breaker moves on lookups (the scheduler half's, the background lookups', the deadline's prober
+        # share the store) and on its reset time, not only on this rank's transfers.
+        self._skips_quiet = (self._epochs is not None and not self._health) or not (self._gauges_due or self._sized)
 
     def evictions(self, queue: deque[bytes] | None) -> Callable[[bytes], None]:
         """The watcher for one store's ``watch_evictions``: counts each eviction, queues its key for events."""
