@@ -8,7 +8,8 @@ keyword arguments), ``prefix_caching`` (vLLM's own prefix cache, on unless false
 ``num_gpu_blocks`` (vLLM's ``num_gpu_blocks_override``), ``executor``
 (``distributed_executor_backend``, e.g. ``"uni"``), ``log_stats`` (vLLM's periodic stats
 log, where connector stats show up) and ``drain`` (in-process engines: step until vLLM
-holds no request, then report its free blocks as ``result["drain"]``).
+holds no request, then report its free blocks as ``result["drain"]``). An in-process engine settles
+between rounds (steps until it holds no request), so a round looks up what the last one saved.
 The result: ``{"init_seconds": s, "rounds": [{"seconds": s, "tokens": [[...], ...],
 "finish_reasons": [...]}, ...]}``.
 
@@ -61,7 +62,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"init_seconds": time.perf_counter() - start, "rounds": []}
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]]
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
-    for _ in range(spec.get("rounds", 1)):
+    for round_index in range(spec.get("rounds", 1)):
+        if round_index and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            settle(llm)  # the last round's asynchronous saves have landed before this round looks them up
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
@@ -73,6 +76,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     # Give the engine a chance to shut connectors down cleanly (final stats files).
     del llm
     return result
+
+
+def settle(llm: Any, timeout: float = 60.0) -> None:
+    """Step an in-process engine until it holds no request, finished ones whose saves are still running
+    included (``async_save``: vLLM frees their blocks when the connector reports them sent)."""
+    core = llm.llm_engine.engine_core.engine_core
+    deadline = time.monotonic() + timeout
+    while core.scheduler.has_requests() and time.monotonic() < deadline:
+        core.step()
+        time.sleep(0.001)
 
 
 def drain(llm: Any, max_steps: int = 1000) -> dict[str, int]:
