@@ -16,6 +16,7 @@ from kvdi.connectors.store.framing import Buffer
 from kvdi.connectors.store.protocol import (
     BlockStore,
     CheckedStore,
+    PlacingStore,
     PrefetchStore,
     ReadIntoStore,
     StoreCapabilities,
@@ -33,6 +34,7 @@ __all__ = [
     "BlockStore",
     "Buffer",
     "CheckedStore",
+    "PlacingStore",
     "PrefetchStore",
     "ReadIntoStore",
     "StoreCapabilities",

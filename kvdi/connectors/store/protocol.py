@@ -19,6 +19,9 @@ capability                  what it is for                                      
 ``visit_many(keys, visit)``  lend each object's bytes to ``visit`` (no copy): the worker  get_into_many
                             verifies and copies them while they are in the CPU cache
                             (:class:`ViewStore`)
+``place_many(items)``       place each block's verified payload into its pieces itself   the worker
+                            (canonical sections); the worker checks nothing after        verifies
+                            (:class:`PlacingStore`)
 ``prefetch(keys) -> bool``  start reading objects ahead of the loads (several objects   none
                             in flight on a cold medium); True while that pays
                             (:class:`PrefetchStore`)
@@ -123,6 +126,17 @@ class ViewStore(Protocol):
 
 
 @runtime_checkable
+class PlacingStore(Protocol):
+    """Optional capability: place verified blocks into their pieces itself (a store that assembles a block
+    from several objects, each checked as it is read: canonical sections), so the worker checks nothing after."""
+
+    def place_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[int | None]:
+        """Each block's payload (no frame header) placed into its pieces, every byte verified; the payload
+        bytes placed per item, None where the block is missing or bad (its pieces then hold no offered bytes)."""
+        ...
+
+
+@runtime_checkable
 class PrefetchStore(Protocol):
     """Optional capability: read objects ahead, so that a cold medium has several reads in flight."""
 
@@ -195,6 +209,7 @@ class BatchLookupStore(Protocol):
 OPTIONAL_CAPABILITIES: tuple[type, ...] = (
     ReadIntoStore,
     ViewStore,
+    PlacingStore,
     PrefetchStore,
     AsyncLoadStore,
     SlottedStore,
@@ -219,6 +234,7 @@ class StoreCapabilities:
     check: Callable[[], str] | None
     prefetch: Callable[[Sequence[bytes]], bool] | None = None
     visit: bool = False
+    place: Callable[[Sequence[tuple[bytes, Sequence[memoryview]]]], list[int | None]] | None = None
     hit_source: str = REMOTE_HIT_SOURCE
     watch_evictions: Callable[[Callable[[bytes], None]], None] | None = None
     parts: tuple[BlockStore, ...] = ()
@@ -235,6 +251,7 @@ class StoreCapabilities:
             check=store.check if isinstance(store, CheckedStore) else None,
             prefetch=store.prefetch if isinstance(store, PrefetchStore) else None,
             visit=isinstance(store, ViewStore),
+            place=store.place_many if isinstance(store, PlacingStore) else None,
             hit_source=str(store.hit_source) if isinstance(store, DeclaresHitSource) else REMOTE_HIT_SOURCE,
             watch_evictions=store.watch_evictions if isinstance(store, EvictingStore) else None,
             parts=tuple(p for p in store.parts() if id(p) != id(store)) if isinstance(store, CompositeStore) else (),
@@ -296,6 +313,7 @@ __all__ = [
     "CompositeStore",
     "EvictingStore",
     "HealthStore",
+    "PlacingStore",
     "PrefetchStore",
     "ReadIntoStore",
     "SlottedStore",

@@ -133,9 +133,8 @@ def read_chunk(
             raise TypeError(f"visit_many returned {type(present).__name__} for {len(keys)} keys")
         sizes: list[int | None] = [1 if p is True else None for p in present]  # present (its size was checked)
         return ReadChunk(ids, keys, pieces, [], sizes, [None] * len(ids), outcome)
-    placing = getattr(store, "place_many", None)  # issue 30: canonical sections, each verified once as it is read
-    if callable(placing):
-        sizes = placing(list(zip(keys, pieces, strict=True)))
+    if caps.place is not None:  # canonical sections: each verified once, as it is read
+        sizes = caps.place(list(zip(keys, pieces, strict=True)))
         if not isinstance(sizes, list) or len(sizes) != len(keys):
             raise TypeError(f"place_many returned {type(sizes).__name__} for {len(keys)} keys")
         return ReadChunk(ids, keys, pieces, [], sizes, [None] * len(ids), [None] * len(ids))
