@@ -14,8 +14,9 @@ only its KV heads (TP) of its layers (PP). kvdi then stores one object per block
   of all ranks and recomputes the block on every rank.
 
 With ``format="canonical"`` on the store (shared_storage, redis, s3, or any tier of multi:
-:func:`stores_canonical`) none of that applies: every shape names a block alike (the layout says ``#canonical``, the whole model, no shape), the worker's
-layout names its share of the model instead of its rank, keys are never re-keyed, and the store
+:func:`stores_canonical`) none of that applies: every shape names a block alike (the layout says
+``#canonical``, the whole model, no shape), the worker's layout names its share of the model instead
+of its rank, keys are never re-keyed, and the store
 (:class:`~kvdi.connectors.store.canonical_store.CanonicalBlockStore`) finds the sections each rank
 needs (docs/stored-format.md).
 """
