@@ -179,3 +179,30 @@ def test_cpu_offload_refuses_a_canonical_format_in_one_line(kvdi_env: Path, monk
     monkeypatch.delenv("KVDI_CPU_OFFLOAD__FORMAT")
     assert "\n" not in str(err.value)
     assert load_settings(kv_connector="cpu_offload").cpu_offload.format == "per_rank"
+
+
+def test_canonical_share_reads_the_tiers_from_vllms_transfer_config(kvdi_env: Path, tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from kvdi.integrations.vllm.parallel import CanonicalShare, canonical_share
+
+    def vllm_config(extra: dict[str, Any]) -> Any:
+        model = SimpleNamespace(
+            get_layers_start_end_indices=lambda parallel: (2, 4),  # PP stage 1 of 2
+            get_total_num_hidden_layers=lambda: 4,
+            get_total_num_kv_heads=lambda: 8,
+        )
+        transfer = SimpleNamespace(kv_connector_extra_config=extra, kv_role="kv_both", engine_id="e")
+        return SimpleNamespace(model_config=model, parallel_config=None, kv_transfer_config=transfer)
+
+    path = str(tmp_path / "kv")
+    tiers = {"kvdi.kv_connector": "multi", "kvdi.multi.tiers": ["cpu_offload", "shared_storage"]}
+    share = canonical_share(
+        vllm_config({**tiers, "kvdi.shared_storage.path": path, "kvdi.shared_storage.format": "canonical"})
+    )
+    assert share == CanonicalShare(num_layers=4, num_kv_heads=8, layer_start=2, layer_count=2)
+    assert canonical_share(vllm_config({**tiers, "kvdi.shared_storage.path": path})) is None
+    assert canonical_share(
+        vllm_config({"kvdi.kv_connector": "s3", "kvdi.s3.bucket": "b-1", "kvdi.s3.format": "canonical"})
+    )
+    assert canonical_share(vllm_config({"kvdi.kv_connector": "cpu_offload"})) is None
