@@ -183,10 +183,13 @@ def check_tier_formats(tiers: Sequence[Tier]) -> None:
     shared = [t.name for t in tiers if tier_format(t) != "canonical" and not t.connector.spec.process_local]
     if canonical and shared:
         names = ", ".join(t.name for t in tiers)
+        tier = next(t for t in tiers if t.name == shared[0])
+        builtin = isinstance(tier.connector.spec.settings, str) and ":" not in tier.connector.spec.settings
+        fix = f"KVDI_{tier.name.upper()}__FORMAT=canonical" if builtin else f"format canonical in {tier.name}'s options"
         raise ConfigError(
-            f"KVDI_MULTI__TIERS=({names}): tier {shared[0]!r} stores per-rank frames beside canonical tier "
+            f"KVDI_MULTI__TIERS=({names}): tier {tier.name!r} stores per-rank frames beside canonical tier "
             f"{canonical[0]!r}; with a canonical tier every tier other processes reach must be canonical (set "
-            f"KVDI_{shared[0].upper()}__FORMAT=canonical) or be process-local (cpu_offload)"
+            f"{fix}) or be process-local (cpu_offload)"
         )
 
 

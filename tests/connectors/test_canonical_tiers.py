@@ -206,3 +206,22 @@ def test_canonical_share_reads_the_tiers_from_vllms_transfer_config(kvdi_env: Pa
         vllm_config({"kvdi.kv_connector": "s3", "kvdi.s3.bucket": "b-1", "kvdi.s3.format": "canonical"})
     )
     assert canonical_share(vllm_config({"kvdi.kv_connector": "cpu_offload"})) is None
+
+
+def test_an_s3_tier_left_per_rank_is_named_with_where_its_options_come_from(kvdi_env: Path, tmp_path: Path) -> None:
+    from kvdi.connectors.multi import check_tier_formats
+    from kvdi.containers import resolve_tiers
+    from kvdi.registry import ConnectorRegistry
+    from kvdi.settings import load_settings
+
+    pytest.importorskip("boto3")
+    s = load_settings(
+        kv_connector="multi",
+        multi={"tiers": ["shared_storage", "s3"]},
+        shared_storage={"path": str(tmp_path), "format": "canonical"},
+        kv_connector_extra_config={"bucket": "kv-cache"},
+    )
+    registry = ConnectorRegistry()
+    tiers = resolve_tiers(registry, registry.resolve("multi"), s.multi, s)
+    with pytest.raises(ConfigError, match=r"tier 's3' stores per-rank .* \(set format canonical in s3's options\)"):
+        check_tier_formats(tiers)
