@@ -6,6 +6,14 @@ Tiers are registered store connectors, resolved by the container through its reg
 Lookups take the longest prefix any tier holds; loads read each block from the first tier
 that has it; saves go to every tier; a failing tier is logged and skipped, never fatal
 (a save fails only when every tier failed). ``discard`` and ``close`` reach every tier.
+
+Canonical tiers (docs/stored-format.md#tiers): when any tier stores canonical sections
+(``format="canonical"``), the whole composite names blocks as the canonical format does (every TP/PP
+shape alike, no per-rank keys: :func:`kvdi.integrations.vllm.parallel.canonical_share`). Every tier
+that other processes reach must then be canonical too: a shared per-rank tier would hold every
+rank's and every shape's frame under one key. A process-local tier (``cpu_offload``) may stay
+per-rank: no other rank or shape ever reads it, and its frames carry the rank's share in their
+fingerprint. :func:`check_tier_formats` refuses the rest in one line.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import TYPE_CHECKING
 from kvdi.connectors.store import BlockStore, PrefetchStore, ReadIntoStore, prefers_async_load, written_count
 from kvdi.connectors.store.blockio import scatter
 from kvdi.connectors.store.framing import Buffer
+from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvdi.layout import KVCacheSpec
@@ -162,6 +171,28 @@ class TieredStore:
             raise first
 
 
+def tier_format(tier: Tier) -> str:
+    """A tier's stored format: its options' ``format`` (``per_rank`` for a store without one)."""
+    value = getattr(tier.options, "format", "per_rank")
+    return value if isinstance(value, str) else "per_rank"
+
+
+def check_tier_formats(tiers: Sequence[Tier]) -> None:
+    """Refuse, in one line, canonical tiers beside a per-rank tier that other processes reach (module docstring)."""
+    canonical = [t.name for t in tiers if tier_format(t) == "canonical"]
+    shared = [t.name for t in tiers if tier_format(t) != "canonical" and not t.connector.spec.process_local]
+    if canonical and shared:
+        names = ", ".join(t.name for t in tiers)
+        tier = next(t for t in tiers if t.name == shared[0])
+        builtin = isinstance(tier.connector.spec.settings, str) and ":" not in tier.connector.spec.settings
+        fix = f"KVDI_{tier.name.upper()}__FORMAT=canonical" if builtin else f"format canonical in {tier.name}'s options"
+        raise ConfigError(
+            f"KVDI_MULTI__TIERS=({names}): tier {tier.name!r} stores per-rank frames beside canonical tier "
+            f"{canonical[0]!r}; with a canonical tier every tier other processes reach must be canonical (set "
+            f"{fix}) or be process-local (cpu_offload)"
+        )
+
+
 def open_store(
     options: MultiSettings, layout: KVCacheSpec, settings: KvdiSettings, *, tiers: Sequence[Tier]
 ) -> TieredStore:
@@ -169,8 +200,10 @@ def open_store(
 
     ``tiers`` come from the container (:func:`kvdi.containers.resolve_tiers`); ``options``
     is kept for the backend-factory signature. Raises TypeError if a tier's backend is not
-    a BlockStore; tiers opened before a failure are closed.
+    a BlockStore; tiers opened before a failure are closed. Raises ConfigError for canonical tiers beside
+    a shared per-rank one (:func:`check_tier_formats`).
     """
+    check_tier_formats(tiers)
     stores: list[tuple[str, BlockStore]] = []
     try:
         for tier in tiers:
@@ -193,4 +226,4 @@ def open_store(
     return TieredStore(stores)
 
 
-__all__ = ["TieredStore", "open_store"]
+__all__ = ["TieredStore", "check_tier_formats", "open_store", "tier_format"]

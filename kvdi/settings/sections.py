@@ -200,11 +200,24 @@ class CpuOffloadSettings(_Section):
     """Host memory pool (``KVDI_CPU_OFFLOAD__*``); ``max_bytes`` at most the physical memory."""
 
     max_bytes: int = Field(1 << 30, gt=0)
+    format: Literal["per_rank"] = "per_rank"
+    """Always ``per_rank``: one worker process's pool, which no other rank or shape reads (docs/stored-format.md)."""
 
     @field_validator("max_bytes")
     @classmethod
     def _memory(cls, value: int) -> int:
         return within_physical_memory(value)
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _format(cls, value: Any) -> Any:
+        if value != "per_rank":
+            raise ValueError(
+                f"format={value!r}: cpu_offload's pool lives in one worker process that no other rank or shape "
+                "reads, so it keeps per-rank frames (a canonical shared tier behind it in multi shares them); "
+                "allowed: per_rank"
+            )
+        return value
 
 
 class RedisSettings(_Section):

@@ -13,6 +13,11 @@ proof says whether the layouts match without showing either. Both then derive th
 ``HMAC(token, "session" | nonces)`` that names blocks and signs queue messages
 (:class:`~kvdi.connectors.p2p.protocol.Session`). The producer's ``ok`` carries
 ``HMAC(token, "verdict|ok" | nonces)``, so no one without the token can accept a consumer.
+
+Every hello also carries the side's tensor/pipeline-parallel shape (``[tp, pp]``, read from its
+layout's ``@tpXppY``; ``[1, 1]`` without one), in clear with or without a token: p2p sends each block
+as one rank's frame to the peer of the same rank, so two shapes never pair, and a mismatch is refused
+in one line naming both shapes before the layouts are compared (docs/p2p.md#parallel-shapes).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import secrets
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -32,6 +38,19 @@ if TYPE_CHECKING:
 ROLES = ("kv_producer", "kv_consumer")
 BACKENDS = ("gloo", "nccl")
 NONCE_BYTES = 32
+_SHAPE = re.compile(r"@tp(\d+)pp(\d+)")
+
+
+def shape_of(layout: KVCacheSpec) -> list[int]:
+    """``[tp, pp]`` named by the layout's model id (``@tp2pp1``, :mod:`kvdi.integrations.vllm.parallel`); [1, 1]."""
+    found = _SHAPE.search(layout.model_id)
+    return [int(found.group(1)), int(found.group(2))] if found else [1, 1]
+
+
+def describe_shape(shape: object) -> str:
+    """``TP=2 PP=1`` for a hello's shape (what a peer without one sent: ``TP=1 PP=1``)."""
+    tp, pp = shape if isinstance(shape, list) and len(shape) == 2 else (1, 1)
+    return f"TP={tp} PP={pp}"
 
 
 def make_hello(*, rank: int, backend: str, layout: KVCacheSpec, engine_id: str, auth: bool) -> dict[str, Any]:
@@ -42,6 +61,7 @@ def make_hello(*, rank: int, backend: str, layout: KVCacheSpec, engine_id: str, 
         "backend": backend,
         "auth": auth,
         "nonce": secrets.token_hex(NONCE_BYTES),
+        "shape": shape_of(layout),
     }
     if not auth:
         hello |= {"engine_id": engine_id, "fingerprint": layout.fingerprint().hex(), "layout": asdict(layout)}
@@ -63,6 +83,9 @@ def parse_hello(raw: bytes, peer_rank: int) -> dict[str, Any]:
     nonce = hello.get("nonce")
     if not isinstance(nonce, str) or len(nonce) != 2 * NONCE_BYTES or not _is_hex(nonce):
         raise ValueError(f"nonce must be {2 * NONCE_BYTES} hex digits")
+    shape = hello.setdefault("shape", [1, 1])  # a peer of an older kvdi: one rank
+    if not isinstance(shape, list) or len(shape) != 2 or not all(type(v) is int and 0 < v < 1 << 16 for v in shape):
+        raise ValueError("shape must be [tp, pp], two positive integers")
     if not hello["auth"]:
         if not isinstance(hello.get("fingerprint"), str) or not isinstance(hello.get("engine_id"), str):
             raise ValueError("fingerprint and engine_id must be strings")
@@ -137,16 +160,32 @@ def auth_problems(
         return ["authentication failed: KVDI_P2P__AUTH_TOKEN differs between the two sides"]
     if not hmac.compare_digest(got["layout"], expected["layout"]):
         return [
-            f"foreign KV layout: this {mine['role']} has [{describe_layout(asdict(layout))}], "
+            shape_problem(mine, peer)
+            or f"foreign KV layout: this {mine['role']} has [{describe_layout(asdict(layout))}], "
             f"the {peer['role']}'s layout fingerprint differs; {_SAME_LAYOUT}"
         ]
     return []
 
 
+def shape_problem(mine: dict[str, Any], peer: dict[str, Any]) -> str:
+    """The one-line refusal of two parallel shapes (empty when they agree): a rank's frames fit only its twin."""
+    if peer.get("shape", [1, 1]) == mine.get("shape", [1, 1]):
+        return ""
+    return (
+        f"parallel shape differs: this {mine['role']} runs {describe_shape(mine.get('shape'))}, the "
+        f"{peer.get('role')} {describe_shape(peer.get('shape'))}; p2p sends each block as one rank's frame to the "
+        "peer rank of the same slice, so both sides need the same tensor/pipeline-parallel shape (a canonical "
+        "shared store serves mixed shapes: docs/stored-format.md)"
+    )
+
+
 def handshake_problems(mine: dict[str, Any], peer: dict[str, Any], backend: str) -> list[str]:
-    """What keeps two hello messages (role, backend and, without a token, the layout) from making a pair."""
+    """What keeps two hello messages (role, backend, shape and, without a token, the layout) from making a pair."""
     problems: list[str] = []
-    if not mine["auth"] and not peer["auth"] and peer.get("fingerprint") != mine["fingerprint"]:
+    shape = shape_problem(mine, peer)
+    if shape:
+        problems.append(shape)
+    elif not mine["auth"] and not peer["auth"] and peer.get("fingerprint") != mine["fingerprint"]:
         problems.append(
             f"foreign KV layout: this {mine['role']} has [{describe_layout(mine['layout'])}], "
             f"the {peer.get('role')} has [{describe_layout(peer.get('layout', {}))}]; {_SAME_LAYOUT}"
@@ -170,6 +209,7 @@ def refuse(where: str, problems: list[str]) -> P2pHandshakeError:
 __all__ = [
     "auth_problems",
     "describe_layout",
+    "describe_shape",
     "json_text",
     "handshake_problems",
     "make_hello",
@@ -177,5 +217,7 @@ __all__ = [
     "proofs",
     "refuse",
     "session_key",
+    "shape_of",
+    "shape_problem",
     "verdict_mac",
 ]

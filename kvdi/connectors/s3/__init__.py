@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 
 from kvdi.connectors.s3.settings import S3Settings
 from kvdi.connectors.s3.store import S3BlockStore
+from kvdi.connectors.store.canonical_store import CanonicalBlockStore, canonical_object_bytes
 from kvdi.connectors.store.codec import compressor_for
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.integrity import frame_key
+from kvdi.errors import ConfigError
 from kvdi.layout import DTYPE_BYTES
 
 if TYPE_CHECKING:
@@ -25,14 +27,24 @@ FRAME_ROOM = 64
 """Bytes a read may return beyond header + payload (room for a trailer such as a keyed MAC)."""
 
 
-def open_store(options: S3Settings, layout: KVCacheSpec, settings: KvdiSettings) -> S3BlockStore:
-    """The ``s3`` connector's backend: a store on the bucket ``KVDI_S3__BUCKET`` names."""
+def open_store(options: S3Settings, layout: KVCacheSpec, settings: KvdiSettings) -> S3BlockStore | CanonicalBlockStore:
+    """The ``s3`` connector's backend: a store on the bucket ``KVDI_S3__BUCKET`` names. With
+    ``format="canonical"`` each object is one canonical section (:class:`CanonicalBlockStore`): a ranged
+    read bounded to one section, verified before any byte lands; absent or bad is a counted miss."""
     compressor = compressor_for(
         options.compression, frame_key(settings), "KVDI_S3__COMPRESSION", DTYPE_BYTES[layout.dtype]
     )
-    store = S3BlockStore(options, max_object_bytes=HEADER_SIZE + layout.block_bytes + FRAME_ROOM)
+    canonical = options.format == "canonical"
+    if canonical and compressor is not None:
+        raise ConfigError(
+            f"KVDI_S3__COMPRESSION={options.compression!r} with KVDI_S3__FORMAT=canonical: canonical sections "
+            "are stored uncompressed; set compression none or format per_rank"
+        )
+    grid = (options.section_layers, options.section_heads)
+    size = canonical_object_bytes(layout, grid, "KVDI_S3") if canonical else HEADER_SIZE + layout.block_bytes
+    store = S3BlockStore(options, max_object_bytes=size + FRAME_ROOM)
     store.compressor = compressor
-    return store
+    return CanonicalBlockStore(store, layout, frame_key(settings), grid) if canonical else store
 
 
 __all__ = ["FRAME_ROOM", "S3BlockStore", "S3Settings", "open_store"]

@@ -44,6 +44,12 @@ class S3Settings(BaseModel):
     """Store blocks zstd-compressed (``zstd``: whenever smaller; ``zstd-split``: denser, bytes split by their
     place in the element first; ``auto``: zstd when the link is slower than compressing pays, measured);
     recorded in each frame, so any reader loads any (docs/compression.md). Needs ``zstandard``."""
+    format: Literal["per_rank", "canonical"] = "per_rank"
+    """``canonical``: sections any TP/PP shape shares, replicated KV once (docs/stored-format.md); no compression."""
+    section_layers: int = Field(0, ge=0, le=1024)
+    """Layers per canonical section (0: all); must divide the model's layers and every PP stage's."""
+    section_heads: int = Field(1, gt=0, le=1024)
+    """KV heads per canonical section; must divide every TP rank's heads (1 fits all; fewer objects when larger)."""
 
     @field_validator("endpoint_url")
     @classmethod

@@ -157,8 +157,7 @@ class CanonicalRank:
         except Exception:  # a store call that fails is a miss, never an exception
             self.misses["error"] += 1
             return [False] * len(blocks)
-        checks = (self._check(i, names[i], got[i], headers[i], payloads[i]) for i in range(len(names)))
-        ok = list(checks)
+        ok = [self._verdict(i, names, got, headers, payloads) for i in range(len(names))]
         return [all(ok[b * per : (b + 1) * per]) for b in range(len(blocks))]
 
     def count_prefix(self, block_keys: Sequence[bytes]) -> int:
@@ -210,33 +209,61 @@ class CanonicalRank:
             return [None] * n
         out: list[memoryview | None] = []
         for b, buf in enumerate(blocks):
-            ok = all(self._check(i, names[i], got[i], headers[i], payloads[i]) for i in range(b * per, (b + 1) * per))
+            ok = all(self._verdict(i, names, got, headers, payloads) for i in range(b * per, (b + 1) * per))
             out.append(buf if ok else None)
         return out
 
     def _read(
         self, names: list[bytes], headers: list[memoryview], payloads: list[list[memoryview]]
-    ) -> list[int | None]:
-        """Each object's size (None: absent), read into its header and payload pieces when the size fits."""
+    ) -> list[int | bool | None]:
+        """Each object read into its header and payload pieces: its size (None: absent), still to be checked
+        (:meth:`_verdict`), or, from a store without ``get_into_many`` (S3, a plugin), whether it verified:
+        such an object is checked in the buffer the store returned and copied into its pieces only when valid,
+        so no byte of a bad section ever lands."""
         into = getattr(self.store, "get_into_many", None)
         if callable(into):
             pieces = [[h, *p] for h, p in zip(headers, payloads, strict=True)]
-            sizes: list[int | None] = into(list(zip(names, pieces, strict=True)))
+            sizes: list[int | bool | None] = into(list(zip(names, pieces, strict=True)))
         else:
             found = self.store.get_many(names)
             sizes = []
-            for buf, h, p in zip(found, headers, payloads, strict=True):
-                n = None if buf is None else memoryview(buf).nbytes
-                if buf is not None and n == h.nbytes + sum(x.nbytes for x in p):
-                    view, offset = memoryview(buf).cast("B"), h.nbytes
-                    h[:] = view[:offset]
-                    for x in p:
-                        x[:] = view[offset : offset + x.nbytes]
-                        offset += x.nbytes
-                sizes.append(n)
+            if len(found) == len(names):
+                for i, buf in enumerate(found):
+                    sizes.append(self._checked_copy(i, names[i], buf, headers[i], payloads[i]))
         if len(sizes) != len(names):
             raise ValueError(f"the store answered {len(sizes)} of {len(names)} reads")
         return sizes
+
+    def _checked_copy(
+        self, i: int, name: bytes, buf: Buffer | None, header: memoryview, payload: list[memoryview]
+    ) -> int | bool | None:
+        """An object read whole: verified where it lies, then copied into ``header`` and ``payload`` if valid."""
+        n = None if buf is None else memoryview(buf).nbytes
+        if buf is None or n != header.nbytes + sum(x.nbytes for x in payload):
+            return n  # absent or of the wrong size: :meth:`_verdict` counts why
+        view = memoryview(buf).cast("B")
+        offset = header.nbytes
+        if not self._check(i, name, n, view[:offset], [view[offset:]]):
+            return False
+        header[:] = view[:offset]
+        for x in payload:
+            x[:] = view[offset : offset + x.nbytes]
+            offset += x.nbytes
+        return True
+
+    def _verdict(
+        self,
+        i: int,
+        names: list[bytes],
+        got: list[int | bool | None],
+        headers: list[memoryview],
+        payloads: list[list[memoryview]],
+    ) -> bool:
+        """Whether object ``i`` read by :meth:`_read` is a valid section (checked now unless it already was)."""
+        result = got[i]
+        if isinstance(result, bool):
+            return result
+        return self._check(i, names[i], result, headers[i], payloads[i])
 
     def _odd(self, name: bytes) -> str:
         """Why an object of the wrong size is no section: ``old_format`` for a per-rank frame, else ``length``

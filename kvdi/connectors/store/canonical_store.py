@@ -25,6 +25,7 @@ from kvdi.connectors.store.canonical_convert import unpack_block
 from kvdi.connectors.store.canonical_io import CanonicalRank
 from kvdi.connectors.store.framing import HEADER_SIZE as FRAME_HEADER
 from kvdi.connectors.store.framing import Buffer, FrameKey, frame_header
+from kvdi.connectors.store.protocol import prefers_async_load
 from kvdi.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -116,6 +117,22 @@ class CanonicalBlockStore:
     def parts(self) -> list[BlockStore]:
         """:class:`~kvdi.connectors.store.CompositeStore`: the wrapped backend (hit source, health, events)."""
         return [self.inner]
+
+    @property
+    def prefers_async_load(self) -> bool:
+        """The wrapped store's (:func:`~kvdi.connectors.store.prefers_async_load`): S3 and Redis load beside compute."""
+        return prefers_async_load(self.inner)
+
+    def prefetch(self, keys: Sequence[bytes]) -> bool:
+        """:class:`~kvdi.connectors.store.PrefetchStore`: read ahead the sections this rank needs of ``keys``
+        where the wrapped store can (S3: ranged reads in flight); False where it cannot (a hint, never raises)."""
+        ahead = getattr(self.inner, "prefetch", None)
+        if not callable(ahead) or not keys:
+            return False
+        try:
+            return bool(ahead([s.key(k) for k in keys for s in self.rank.reads]))
+        except Exception:
+            return False
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         return self.rank.count_prefix(keys)

@@ -13,9 +13,10 @@ only its KV heads (TP) of its layers (PP). kvdi then stores one object per block
   A slice that vanishes anyway fails that rank's load; vLLM unions the failed block ids
   of all ranks and recomputes the block on every rank.
 
-With shared_storage's ``format="canonical"`` (:class:`CanonicalShare`) none of that applies: every
-shape names a block alike (the layout says ``#canonical``, the whole model, no shape), the worker's
-layout names its share of the model instead of its rank, keys are never re-keyed, and the store
+With ``format="canonical"`` on the store (shared_storage, redis, s3, or any tier of multi:
+:func:`stores_canonical`) none of that applies: every shape names a block alike (the layout says
+``#canonical``, the whole model, no shape), the worker's layout names its share of the model instead
+of its rank, keys are never re-keyed, and the store
 (:class:`~kvdi.connectors.store.canonical_store.CanonicalBlockStore`) finds the sections each rank
 needs (docs/stored-format.md).
 """
@@ -32,7 +33,7 @@ from kvdi.connectors.store.canonical_store import TAG, part_tag
 from kvdi.connectors.store.protocol import BlockStore
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.integrations.vllm.config import written_kwargs
-from kvdi.settings import load_settings
+from kvdi.settings import KvdiSettings, load_settings
 
 
 class KeyLookup(Protocol):
@@ -58,13 +59,29 @@ def canonical_share(vllm_config: Any) -> CanonicalShare | None:
     if getattr(vllm_config, "kv_transfer_config", None) is None:  # no connector configured: nothing is stored
         return None
     settings = load_settings(**written_kwargs(vllm_config))
-    connector = settings.kv_connector
-    if connector not in ("shared_storage", "redis") or getattr(settings, connector).format != "canonical":
+    if not stores_canonical(settings):
         return None
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     start, end = model.get_layers_start_end_indices(parallel)
     heads = 1 if getattr(model, "use_mla", False) else int(model.get_total_num_kv_heads())
     return CanonicalShare(int(model.get_total_num_hidden_layers()), heads, int(start), int(end) - int(start))
+
+
+def stores_canonical(settings: KvdiSettings) -> bool:
+    """Whether the engine's connector keeps canonical sections: its own ``format`` (shared_storage, redis, s3)
+    or, for ``multi``, any tier's (the whole composite then names blocks canonically: docs/stored-format.md)."""
+    from kvdi.containers import connector_options, resolve_tiers
+    from kvdi.registry import ConnectorRegistry
+
+    registry = ConnectorRegistry()
+    try:
+        resolved = registry.resolve(settings.kv_connector, settings.kv_connector_module_path)
+        options = connector_options(resolved, settings)
+        tiers = resolve_tiers(registry, resolved, options, settings)
+    except Exception:  # not resolvable here: the container reports why when it builds the connector
+        return False
+    formats = [getattr(options, "format", None), *(getattr(t.options, "format", None) for t in tiers)]
+    return "canonical" in formats
 
 
 @dataclass(frozen=True)
