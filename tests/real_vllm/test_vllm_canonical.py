@@ -10,9 +10,10 @@ loads the union. Tokens are compared with the no-connector baseline.
 
 A second test takes a model with one KV head (GQA: fewer KV heads than the TP size, so TP=2 ranks
 hold replicas) and runs TP=2 with the in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-mp executor), the first test's TP=2 engine having the multiprocess one: a TP=2 writer stores the
-very objects a TP=1 writer stores (rank 0 writes the replicated head, rank 1 nothing), and a TP=2
-reader of the TP=1 store with one section corrupted and one deleted misses those blocks on both ranks.
+mp executor), the first test's TP=2 engine having the multiprocess one. One TP=2 engine, two rounds
+(``engine_rounds.py``): round 1 stores the very objects a TP=1 engine stores (rank 0 writes the
+replicated head, rank 1 nothing); between the rounds one section is corrupted and one deleted; in
+round 2 those blocks (and the rest of their prompts) are misses on both ranks, the others loaded.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ require_vllm()
 pytestmark = pytest.mark.slow
 
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+ROUNDS = Path(__file__).resolve().parent / "engine_rounds.py"
 SECTIONS = 4  # the tiny Llama's 2 layers x 2 KV heads, one section each
 LAYER_BYTES = 2 * BLOCK_SIZE * 2 * 32 * 4  # one layer of a block: K and V of 2 heads, 32 tokens, head_dim 32, fp32
 
@@ -117,8 +119,8 @@ def _scheduler_line(log: str) -> str:
     return next(ln for ln in Path(log).read_text().splitlines() if "SCHEDULER half" in ln)
 
 
-def _section_file(store: Path, log: str, prompt: list[int], block: int, layer: int) -> Path:
-    """The file of KV head 0's section of ``layer`` of block ``block`` of ``prompt``: block keys chained from the
+def _section_file(log: str, prompt: list[int], block: int, layer: int) -> str:
+    """The path (under a store) of KV head 0's section of ``layer`` of block ``block`` of ``prompt``: block keys chained from the
     scheduler's whole-model layout (logged by kvdi's scheduler half, the same for every shape)."""
     from kvdi.connectors.store.canonical import Section
     from kvdi.connectors.store.keys import block_keys
@@ -128,7 +130,7 @@ def _section_file(store: Path, log: str, prompt: list[int], block: int, layer: i
     fields = dict(re.findall(r"(\w+)=('[^']*'|\d+)", line.split("KVCacheSpec(", 1)[1].split(")", 1)[0]))
     layout = KVCacheSpec(**{k: v.strip("'") if v.startswith("'") else int(v) for k, v in fields.items()})
     name = Section(layer, 1, 0, 1).key(block_keys(prompt, layout)[block]).hex()
-    return store / name[:2] / name
+    return f"{name[:2]}/{name}"
 
 
 def test_gqa_tp2_in_process_core_stores_what_tp1_stores_and_bad_sections_miss_on_both_ranks(
@@ -136,33 +138,50 @@ def test_gqa_tp2_in_process_core_stores_what_tp1_stores_and_bad_sections_miss_on
 ) -> None:
     model = make_tiny_llama(tmp_path / "gqa-llama", kv_heads=1)  # 4 query heads, 1 KV head: TP=2 replicates it
     spec = {"model": str(model), "prompts": prompts, "rounds": 1, "max_tokens": 4, "block_size": BLOCK_SIZE}
-    tp2 = {**spec, "tensor_parallel_size": 2, "executor": "mp"}
-    in_process_tp = {**IN_PROCESS, **TP_ENV}
 
-    def kv(name: str, store: str = "") -> dict[str, Any]:
-        options = {
-            "shared_storage__path": str(tmp_path / f"store-{store or name}"),
-            "shared_storage__format": "canonical",
-        }
+    def kv(name: str) -> dict[str, Any]:
+        options = {"shared_storage__path": str(tmp_path / f"store-{name}"), "shared_storage__format": "canonical"}
         return kv_config(
             "shared_storage", stats_dir=tmp_path / f"stats-{name}", shared_storage__section_layers=1, **options
         )
 
     start = time.perf_counter()
     one = run_engine(tmp_path, "gqa-tp1-writer", {**spec, "kv": kv("tp1")}, env=IN_PROCESS)
-    two = run_engine(tmp_path, "gqa-tp2-writer", {**tp2, "kv": kv("tp2")}, env=in_process_tp)
-    writers = {name: _per_rank(tmp_path / f"stats-{name}") for name in ("tp1", "tp2")}
-    assert [len(writers["tp1"]), len(writers["tp2"])] == [1, 2]
-    assert all(r["loaded_blocks"] == 0 for ranks in writers.values() for r in ranks)  # nothing loaded: no connector
-    assert two["rounds"][0]["tokens"] == one["rounds"][0]["tokens"]
     tokens = one["rounds"][0]["tokens"]
+    assert read_stats(tmp_path / "stats-tp1", "worker")["loaded_blocks"] == 0  # nothing loaded: no connector's tokens
 
-    # The same objects, byte counts and stats' saved bytes: the replicated head is written once, by rank 0.
-    stored = {name: _objects(tmp_path / f"store-{name}") for name in ("tp1", "tp2")}
+    # One TP=2 engine (in-process core), two rounds over the prompts, vLLM's prefix cache off: round 1 writes its
+    # store from scratch; between the rounds (engine_rounds.py) the store and stats are snapshot, one section is
+    # corrupted (prompt 0, block 1, layer 1) and one deleted (prompt 3, block 2, layer 0); round 2 reads it.
+    # Section names are the same for every shape: found from the TP=1 engine's layout and the prompts.
+    store = tmp_path / "store-tp2"
+    corrupt, delete = (_section_file(one["log"], prompts[p], b, layer) for p, b, layer in ((0, 1, 1), (3, 2, 0)))
+    between = {
+        "store": str(store),
+        "stats": str(tmp_path / "stats-tp2"),
+        "snapshot": str(tmp_path / "round1"),
+        "corrupt": [corrupt],
+        "delete": [delete],
+    }
+    tp2 = {**spec, "tensor_parallel_size": 2, "executor": "mp", "rounds": 2, "prefix_caching": False}
+    two = run_engine(
+        tmp_path, "gqa-tp2", {**tp2, "kv": kv("tp2"), "between": between}, env={**IN_PROCESS, **TP_ENV}, script=ROUNDS
+    )
+    assert _scheduler_line(two["log"]).startswith("(MainProcess ")  # the engine core ran in the engine's process
+    assert [r["tokens"] for r in two["rounds"]] == [tokens, tokens]
+
+    # Round 1: the same objects, byte counts and stats' saved bytes as TP=1's; rank 0 wrote the replicated head.
+    stored = {
+        "tp1": _objects(tmp_path / "store-tp1"),
+        "tp2": json.loads((tmp_path / "round1/objects.json").read_text()),
+    }
     assert stored["tp2"] == stored["tp1"]
+    assert {corrupt, delete} <= set(stored["tp1"])
     block_payload = 2 * 2 * BLOCK_SIZE * 32 * 4  # 2 layers x K/V x 32 tokens x head_dim 32 x fp32, one KV head
     assert len(stored["tp1"]) == 2 * expected_saved(prompts)  # a section a layer
-    saved = {name: [r["saved_bytes"] for r in ranks] for name, ranks in writers.items()}
+    round1 = _per_rank(tmp_path / "round1/stats")
+    saved = {"tp1": [r["saved_bytes"] for r in _per_rank(tmp_path / "stats-tp1")]}
+    saved["tp2"] = [r["saved_bytes"] for r in round1]
     assert saved == {
         "tp1": [expected_saved(prompts) * block_payload],
         "tp2": [expected_saved(prompts) * block_payload, 0],
@@ -170,20 +189,10 @@ def test_gqa_tp2_in_process_core_stores_what_tp1_stores_and_bad_sections_miss_on
     totals = {name: sum(objects.values()) for name, objects in stored.items()}
     assert totals["tp1"] == totals["tp2"] == sum(saved["tp1"]) + 128 * len(stored["tp1"])  # payload + headers
 
-    # TP=1's store, one section corrupted (prompt 0, block 1, layer 1) and one deleted (prompt 3, block 2,
-    # layer 0): a TP=2 reader (in-process core) loads each prompt up to its bad block, on both ranks.
-    store, log = tmp_path / "store-tp1", one["log"]
-    bad = _section_file(store, log, prompts[0], 1, 1)
-    data = bytearray(bad.read_bytes())
-    data[-1] ^= 0xFF  # one payload byte: only the checksum tells
-    bad.write_bytes(bytes(data))
-    _section_file(store, log, prompts[3], 2, 0).unlink()
-    reader = run_engine(tmp_path, "gqa-tp2-reader", {**tp2, "kv": kv("reader", store="tp1")}, env=in_process_tp)
-    assert reader["rounds"][0]["tokens"] == tokens
-    for run in (two, reader):  # the engine core (kvdi's scheduler half) ran in the engine's own process
-        assert _scheduler_line(run["log"]).startswith("(MainProcess ")
-    ranks = _per_rank(tmp_path / "stats-reader")
-    looked_up = read_stats(tmp_path / "stats-reader", "scheduler")["lookup_hit_blocks"]
+    # Round 2: each prompt loaded up to its bad block, on both ranks, tokens identical.
+    assert [r["loaded_blocks"] for r in round1] == [0, 0]
+    ranks = _per_rank(tmp_path / "stats-tp2")
+    looked_up = read_stats(tmp_path / "stats-tp2", "scheduler")["lookup_hit_blocks"]  # none in round 1
     # Offered: 3 + 3 + 1 blocks of prompts 0-2 and prompt 3's first 2 (its block 2 lacks a section: the lookup,
     # which asks for every section of the grid, stops there for every rank).
     assert looked_up == expected_blocks(prompts[:3]) + 2
@@ -194,7 +203,7 @@ def test_gqa_tp2_in_process_core_stores_what_tp1_stores_and_bad_sections_miss_on
     print(
         f"\nGQA (1 KV head) stored bytes: TP=1 {totals['tp1']} B in {len(stored['tp1'])} objects, "
         f"TP=2 {totals['tp2']} B in {len(stored['tp2'])}; saved_bytes per rank: TP=1 {saved['tp1']}, "
-        f"TP=2 {saved['tp2']}; reader per rank (loaded, load_failures): "
+        f"TP=2 {saved['tp2']}; TP=2 round 2 per rank (loaded, load_failures): "
         f"{[(r['loaded_blocks'], r['load_failures']) for r in ranks]}, lookup hits {looked_up:.0f}; "
-        f"three engines {time.perf_counter() - start:.1f} s"
+        f"two engines {time.perf_counter() - start:.1f} s"
     )
