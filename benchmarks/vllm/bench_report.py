@@ -138,6 +138,7 @@ def ratio_rows(engines: dict[str, list[Engine]], process_local: set[str]) -> lis
             "kvdi-redis-syncload",
             "kvdi-shared_storage-syncsave",
             "kvdi-shared_storage-asyncload",
+            "kvdi-shared_storage-canonical",
         )
     )
     for pc in ("on", "off"):
@@ -193,6 +194,16 @@ def ratio_rows(engines: dict[str, list[Engine]], process_local: set[str]) -> lis
                     "",
                     "issue 9: within noise of null",
                 )
+        canonical, per_rank = runs("kvdi-shared_storage-canonical"), runs("kvdi-shared_storage")
+        for phase, skip in (("a_1", False), ("b_load", True)) if canonical and per_rank else ():
+            add(
+                f"canonical format / per-rank format, shared_storage: {phase}",
+                f"kvdi-shared_storage-canonical/pc-{pc}",
+                per_engine(canonical, phase_s(phase), skip_first=skip),
+                per_engine(per_rank, phase_s(phase), skip_first=skip),
+                "",
+                "docs/stored-format.md",
+            )
         # (b): a second engine loading what the previous engine stored; process-local stores
         # cannot be read by another engine, so theirs is the round after vLLM's cache was dropped.
         hit_ref = per_engine(runs("no-connector", "on"), rounds_s("c"))

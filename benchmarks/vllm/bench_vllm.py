@@ -56,12 +56,20 @@ BENCH_ENGINE = "benchmarks.vllm.bench_engine"
 ENV = {**IN_PROCESS, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 CONNECTORS = ("no-connector", "kvdi-null", "vllm-example", "kvdi-shared_storage", "kvdi-cpu_offload", "kvdi-redis")
 # Variants, not in the default run: ``-syncsave`` (KVDI_TRANSFER__ASYNC_SAVE=false) and ``-syncload``
-# (KVDI_TRANSFER__ASYNC_LOAD=off), to tell the asynchronous paths' share apart.
-EXTRA = ("kvdi-shared_storage-syncsave", "kvdi-redis-syncload", "kvdi-shared_storage-asyncload")
+# (KVDI_TRANSFER__ASYNC_LOAD=off), to tell the asynchronous paths' share apart; ``-canonical``
+# (KVDI_SHARED_STORAGE__FORMAT=canonical, default grid: a section a KV head, docs/stored-format.md), to
+# show the canonical format's ratios beside the per-rank format's.
+EXTRA = (
+    "kvdi-shared_storage-syncsave",
+    "kvdi-redis-syncload",
+    "kvdi-shared_storage-asyncload",
+    "kvdi-shared_storage-canonical",
+)
 VARIANTS: dict[str, dict[str, Any]] = {
     "-syncsave": {"transfer__async_save": False},
     "-syncload": {"transfer__async_load": "off"},
     "-asyncload": {"transfer__async_load": "on"},
+    "-canonical": {"shared_storage__format": "canonical"},
 }
 PROCESS_LOCAL = {"kvdi-cpu_offload"}  # its store lives in the engine's process: no second engine can load it
 

@@ -93,6 +93,7 @@ def test_a_replica_holder_writes_nothing_and_reads_the_one_copy(tmp_path: Path) 
     for half, _ in writers:
         assert step(half, (0, 1, 2, 3), save=True) == set()
         assert half.stats.saved_blocks == 4  # rank 1's "save" succeeds with nothing to write
+    assert [half.stats.saved_bytes for half, _ in writers] == [4 * writers[0][0]._block_bytes, 0]  # bytes it wrote
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert len(files) == 4  # one object per block: what a TP=1 writer stores
     reader, dst = worker(tmp_path, one)

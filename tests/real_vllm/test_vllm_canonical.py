@@ -7,12 +7,20 @@ layers must be whole sections. A TP=1 engine writes the prompts' first blocks; a
 them (each stage its layer's sections) and writes the second blocks (each stage its layer's); the
 TP=2 engine loads both (each rank its KV head's sections) and writes the rest; a second TP=1 engine
 loads the union. Tokens are compared with the no-connector baseline.
+
+A second test takes a model with one KV head (GQA: fewer KV heads than the TP size, so TP=2 ranks
+hold replicas) and runs TP=2 with the in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+mp executor), the first test's TP=2 engine having the multiprocess one. One TP=2 engine, two rounds
+(``engine_rounds.py``): round 1 stores the very objects a TP=1 engine stores (rank 0 writes the
+replicated head, rank 1 nothing); between the rounds one section is corrupted and one deleted; in
+round 2 those blocks (and the rest of their prompts) are misses on both ranks, the others loaded.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import re
 import struct
 import time
 from collections import Counter
@@ -27,6 +35,7 @@ from tests.real_vllm.vllm_support import (
     expected_blocks,
     expected_saved,
     kv_config,
+    make_tiny_llama,
     read_stats,
     require_vllm,
     run_engine,
@@ -37,6 +46,7 @@ require_vllm()
 pytestmark = pytest.mark.slow
 
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+ROUNDS = Path(__file__).resolve().parent / "engine_rounds.py"
 SECTIONS = 4  # the tiny Llama's 2 layers x 2 KV heads, one section each
 LAYER_BYTES = 2 * BLOCK_SIZE * 2 * 32 * 4  # one layer of a block: K and V of 2 heads, 32 tokens, head_dim 32, fp32
 
@@ -97,3 +107,103 @@ def test_tp1_and_pp2_write_tp2_reads_and_writes_tp1_reads(
     assert again["rounds"][0]["tokens"] == baseline_tokens
     assert read_stats(tmp_path / "stats-tp1-reader", "worker")["loaded_blocks"] == expected_blocks(prompts)
     print(f"\nPP=2 writer: {pp_wall:.1f} s (init {pp_run['init_seconds']:.1f} s)")
+
+
+def _objects(store: Path) -> dict[str, int]:
+    """Each stored object's path under ``store`` and its size."""
+    return {str(p.relative_to(store)): p.stat().st_size for p in store.rglob("*") if p.is_file()}
+
+
+def _scheduler_line(log: str) -> str:
+    """The log line where kvdi's scheduler half names its layout (prefixed by the process vLLM runs it in)."""
+    return next(ln for ln in Path(log).read_text().splitlines() if "SCHEDULER half" in ln)
+
+
+def _section_file(log: str, prompt: list[int], block: int, layer: int) -> str:
+    """The path (under a store) of KV head 0's section of ``layer`` of block ``block`` of ``prompt``: block keys chained from the
+    scheduler's whole-model layout (logged by kvdi's scheduler half, the same for every shape)."""
+    from kvdi.connectors.store.canonical import Section
+    from kvdi.connectors.store.keys import block_keys
+    from kvdi.layout import KVCacheSpec
+
+    line = _scheduler_line(log)
+    fields = dict(re.findall(r"(\w+)=('[^']*'|\d+)", line.split("KVCacheSpec(", 1)[1].split(")", 1)[0]))
+    layout = KVCacheSpec(**{k: v.strip("'") if v.startswith("'") else int(v) for k, v in fields.items()})
+    name = Section(layer, 1, 0, 1).key(block_keys(prompt, layout)[block]).hex()
+    return f"{name[:2]}/{name}"
+
+
+def test_gqa_tp2_in_process_core_stores_what_tp1_stores_and_bad_sections_miss_on_both_ranks(
+    tmp_path: Path, prompts: list[list[int]]
+) -> None:
+    model = make_tiny_llama(tmp_path / "gqa-llama", kv_heads=1)  # 4 query heads, 1 KV head: TP=2 replicates it
+    spec = {"model": str(model), "prompts": prompts, "rounds": 1, "max_tokens": 4, "block_size": BLOCK_SIZE}
+
+    def kv(name: str) -> dict[str, Any]:
+        options = {"shared_storage__path": str(tmp_path / f"store-{name}"), "shared_storage__format": "canonical"}
+        return kv_config(
+            "shared_storage", stats_dir=tmp_path / f"stats-{name}", shared_storage__section_layers=1, **options
+        )
+
+    start = time.perf_counter()
+    one = run_engine(tmp_path, "gqa-tp1-writer", {**spec, "kv": kv("tp1")}, env=IN_PROCESS)
+    tokens = one["rounds"][0]["tokens"]
+    assert read_stats(tmp_path / "stats-tp1", "worker")["loaded_blocks"] == 0  # nothing loaded: no connector's tokens
+
+    # One TP=2 engine (in-process core), two rounds over the prompts, vLLM's prefix cache off: round 1 writes its
+    # store from scratch; between the rounds (engine_rounds.py) the store and stats are snapshot, one section is
+    # corrupted (prompt 0, block 1, layer 1) and one deleted (prompt 3, block 2, layer 0); round 2 reads it.
+    # Section names are the same for every shape: found from the TP=1 engine's layout and the prompts.
+    store = tmp_path / "store-tp2"
+    corrupt, delete = (_section_file(one["log"], prompts[p], b, layer) for p, b, layer in ((0, 1, 1), (3, 2, 0)))
+    between = {
+        "store": str(store),
+        "stats": str(tmp_path / "stats-tp2"),
+        "snapshot": str(tmp_path / "round1"),
+        "corrupt": [corrupt],
+        "delete": [delete],
+    }
+    tp2 = {**spec, "tensor_parallel_size": 2, "executor": "mp", "rounds": 2, "prefix_caching": False}
+    two = run_engine(
+        tmp_path, "gqa-tp2", {**tp2, "kv": kv("tp2"), "between": between}, env={**IN_PROCESS, **TP_ENV}, script=ROUNDS
+    )
+    assert _scheduler_line(two["log"]).startswith("(MainProcess ")  # the engine core ran in the engine's process
+    assert [r["tokens"] for r in two["rounds"]] == [tokens, tokens]
+
+    # Round 1: the same objects, byte counts and stats' saved bytes as TP=1's; rank 0 wrote the replicated head.
+    stored = {
+        "tp1": _objects(tmp_path / "store-tp1"),
+        "tp2": json.loads((tmp_path / "round1/objects.json").read_text()),
+    }
+    assert stored["tp2"] == stored["tp1"]
+    assert {corrupt, delete} <= set(stored["tp1"])
+    block_payload = 2 * 2 * BLOCK_SIZE * 32 * 4  # 2 layers x K/V x 32 tokens x head_dim 32 x fp32, one KV head
+    assert len(stored["tp1"]) == 2 * expected_saved(prompts)  # a section a layer
+    round1 = _per_rank(tmp_path / "round1/stats")
+    saved = {"tp1": [r["saved_bytes"] for r in _per_rank(tmp_path / "stats-tp1")]}
+    saved["tp2"] = [r["saved_bytes"] for r in round1]
+    assert saved == {
+        "tp1": [expected_saved(prompts) * block_payload],
+        "tp2": [expected_saved(prompts) * block_payload, 0],
+    }
+    totals = {name: sum(objects.values()) for name, objects in stored.items()}
+    assert totals["tp1"] == totals["tp2"] == sum(saved["tp1"]) + 128 * len(stored["tp1"])  # payload + headers
+
+    # Round 2: each prompt loaded up to its bad block, on both ranks, tokens identical.
+    assert [r["loaded_blocks"] for r in round1] == [0, 0]
+    ranks = _per_rank(tmp_path / "stats-tp2")
+    looked_up = read_stats(tmp_path / "stats-tp2", "scheduler")["lookup_hit_blocks"]  # none in round 1
+    # Offered: 3 + 3 + 1 blocks of prompts 0-2 and prompt 3's first 2 (its block 2 lacks a section: the lookup,
+    # which asks for every section of the grid, stops there for every rank).
+    assert looked_up == expected_blocks(prompts[:3]) + 2
+    # Loaded on each rank: prompt 0's block 0 (its block 1 fails the checksum on both ranks: a counted load
+    # failure each, blocks 1-2 recomputed), prompts 1 and 2 whole, prompt 3's blocks 0-1.
+    loaded = 1 + expected_blocks(prompts[1:3]) + 2
+    assert [(r["loaded_blocks"], r["load_failures"]) for r in ranks] == [(loaded, 1)] * 2
+    print(
+        f"\nGQA (1 KV head) stored bytes: TP=1 {totals['tp1']} B in {len(stored['tp1'])} objects, "
+        f"TP=2 {totals['tp2']} B in {len(stored['tp2'])}; saved_bytes per rank: TP=1 {saved['tp1']}, "
+        f"TP=2 {saved['tp2']}; TP=2 round 2 per rank (loaded, load_failures): "
+        f"{[(r['loaded_blocks'], r['load_failures']) for r in ranks]}, lookup hits {looked_up:.0f}; "
+        f"two engines {time.perf_counter() - start:.1f} s"
+    )

@@ -110,6 +110,12 @@ class CanonicalBlockStore:
         return self.rank.misses
 
     @property
+    def saved_block_bytes(self) -> int:
+        """The payload bytes this rank writes a block (its sections'): what the worker half counts in
+        ``saved_bytes``, 0 for a rank holding only replicas another rank writes (not its layout's block)."""
+        return sum(self.rank.geometry.section_bytes(s) for s in self.rank.writes)
+
+    @property
     def object_bytes(self) -> int:
         """The size of every stored section object."""
         return HEADER_SIZE + self.rank.geometry.section_bytes(self.rank.reads[0])

@@ -42,7 +42,8 @@ class BlockWriter:
         log_once: Callable[..., None] | None = None,
     ) -> None:
         self.store, self._fingerprint, self._key = store, fingerprint, key
-        self.block_bytes = block_bytes
+        saved = getattr(store, "saved_block_bytes", None)  # canonical: this rank's sections only (0: replicas)
+        self.block_bytes = saved if isinstance(saved, int) else block_bytes
         self._log_once = log_once
         self.block_event: Callable[[bool, bytes], None] | None = None  # KV cache events: a block was stored
 
