@@ -95,7 +95,7 @@ class FleetCounters:
         self._health = health_checks(half.store) if isinstance(half, StoreHalf) else []
         moves = breaker_moves(half.store) if self._health and isinstance(half, StoreHalf) else []
         self._moves = tuple(moves or ())  # read at each entry: the breakers are read only when their sum moved
-        self._moves_seen = -1  # their sum at the last read of the breakers
+        self._moves_seen = -1 if self._moves else 0  # their sum at the last read of the breakers (-1: never read)
         rule = getattr(half, "deadline", None)
         self._deadline = rule if isinstance(rule, DeadlineRule) and rule.enabled else None
         self._gauges_due = bool(self._gauged is not None or self._deadline is not None or self._health)
