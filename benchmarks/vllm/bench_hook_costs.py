@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import statistics
 import sys
@@ -34,7 +33,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.real_vllm.hook_support import LAYERS, SCHEDULER_HOOKS, WORKER_HOOKS, Pair, pickle_envelope, unpickle_envelope
+from tests.real_vllm.hook_support import (
+    LAYERS,
+    SCHEDULER_HOOKS,
+    WORKER_HOOKS,
+    Pair,
+    pickle_envelope,
+    run_steps,
+    unpickle_envelope,
+)
 
 
 class Recorder:
@@ -81,28 +88,14 @@ def measure(pairs: dict[str, Pair], steps: int, repeats: int) -> tuple[dict[str,
     for name, pair in pairs.items():  # counted once: deterministic
         rec = recorders[name]
         rec.counting = True
-        outputs = pair.outputs(steps)
-        gc.collect()
-        gc.disable()  # a collection's callbacks (vLLM registers some) are no call of the connector's
-        try:
-            for output in outputs:
-                pair.one_step(output)
-        finally:
-            gc.enable()
+        run_steps(pair, steps)
         rec.counting = False
         rec.calls = {k: v / steps for k, v in rec.calls.items()}
     for _ in range(repeats):
         for name, pair in pairs.items():  # alternated within each repeat
             rec = recorders[name]
-            outputs = pair.outputs(steps)
             rec.seconds = {}
-            gc.collect()
-            gc.disable()
-            try:
-                for output in outputs:
-                    pair.one_step(output)
-            finally:
-                gc.enable()
+            run_steps(pair, steps)
             for label, s in rec.seconds.items():
                 times[name].setdefault(label, []).append(s / steps * 1e6)
     return times, {name: rec.calls for name, rec in recorders.items()}

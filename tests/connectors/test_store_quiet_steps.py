@@ -82,6 +82,26 @@ def test_a_quiet_step_after_a_plan_is_answered_in_one_call_with_the_empty_metada
         assert calls(engine.scheduler.build_connector_meta, QUIET)[0] == 1
 
 
+def test_the_half_says_when_a_quiet_step_has_something_to_plan() -> None:
+    """``due`` (read by the vLLM adapter, which answers a quiet step for the half while it is False): set by a lookup,
+    an allocation, a finished request and a step long enough to be a prefill sample; cleared by the next plan."""
+    engine = Engine(DictStore(), LAYOUT, make_settings(), seed=1)
+    sched = engine.scheduler
+    prefill_step(engine)
+    sched.build_connector_meta(QUIET)
+    assert not sched.due
+    for touch in (
+        lambda: sched.get_num_new_matched_tokens(request(range(8), rid="x"), 0),
+        lambda: sched.update_state_after_alloc(request(range(8), rid="x"), (1, 2), 0),
+        lambda: sched.request_finished(request(range(8), rid="x"), []),
+        lambda: prefill_step(engine, request(range(100, 102 + MIN_STEP_TOKENS), rid="long")),  # a sample to close
+    ):
+        touch()
+        assert sched.due
+        sched.build_connector_meta(QUIET)
+        assert not sched.due
+
+
 def test_a_step_after_a_long_one_takes_the_prefill_sample_and_the_next_quiet_one_does_not() -> None:
     engine = Engine(DictStore(), LAYOUT, make_settings(), seed=1)
     ticks = iter(range(1000))
@@ -215,6 +235,7 @@ def test_the_staged_bytes_gauge_follows_a_prefetch_until_its_staging_is_dropped(
     assert engine.scheduler.request_finished(PROMPT, []) == (False, None)
     worker.bind_connector_metadata(engine.scheduler.build_connector_meta(QUIET))  # the drop
     assert counters.entry(None) == {staged: 0.0}
+    assert worker.prefetch_reports_due  # the vLLM adapter asks for reports only while this is set
     worker.prefetch_reports()  # nothing staged any more: the last report (and gauge read), then quiet
-    assert counters.entry(None) is None
+    assert counters.entry(None) is None and not worker.prefetch_reports_due
     assert calls(worker.prefetch_reports) == (1, []) and calls(counters.entry, None) == (1, None)

@@ -4,11 +4,13 @@ For tests/real_vllm/test_vllm_hook_cost.py and benchmarks/vllm/bench_hook_costs.
 scheduler and worker instances with vLLM's own ``KVConnectorFactory`` over a real ``VllmConfig`` of the tiny
 Llama, admits ``n`` requests and runs their prompts, then :meth:`Pair.one_step` drives one decode step through
 every hook vLLM 0.32's scheduler and model runner call per step, in their order, with the metadata envelope
-pickled to the worker as vLLM's multiprocess executor does. No engine, no forward pass.
+pickled to the worker as vLLM's multiprocess executor does; :func:`run_steps` runs decode steps as both callers
+count and time them. No engine, no forward pass.
 """
 
 from __future__ import annotations
 
+import gc
 import pickle
 import threading
 from pathlib import Path
@@ -134,6 +136,19 @@ class Pair:
         sched.get_kv_connector_stats()
         sched.take_events()
         sched.has_pending_push_work()
+
+
+def run_steps(pair: Pair, steps: int) -> None:
+    """``steps`` decode steps of ``pair`` through every hook, with the garbage collector collected first and off
+    while they run: a collection's callbacks (vLLM registers some) are no call, and no time, of the connector's."""
+    outputs = pair.outputs(steps)
+    gc.collect()
+    gc.disable()
+    try:
+        for output in outputs:
+            pair.one_step(output)
+    finally:
+        gc.enable()
 
 
 class _Blocks:

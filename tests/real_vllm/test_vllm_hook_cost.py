@@ -9,7 +9,6 @@ model runner, the envelope pickled to the worker (:mod:`.hook_support`). Python 
 
 from __future__ import annotations
 
-import gc
 import pickle
 import sys
 import threading
@@ -19,11 +18,12 @@ from typing import Any
 
 import pytest
 
+from kvdi.testing.redis_server import RedisServer
 from tests.real_vllm.vllm_support import require_vllm
 
 require_vllm()
 
-from tests.real_vllm.hook_support import LAYERS, SCHEDULER_HOOKS, WORKER_HOOKS, Pair  # noqa: E402
+from tests.real_vllm.hook_support import LAYERS, SCHEDULER_HOOKS, WORKER_HOOKS, Pair, run_steps  # noqa: E402
 
 STEPS = 40
 
@@ -40,12 +40,16 @@ def pairs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @pytest.fixture
-def store_pairs(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, Pair]]:
-    """``shared_storage`` for 4 and 64 running requests; shut down after the test (their prompts' saves started the
-    save threads: the null test that follows must see none)."""
+def store_pairs(
+    tiny_model: Path, tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[dict[str, Pair]]:
+    """``shared_storage`` for 4 and 64 running requests and ``redis`` (a real server: breakers) for 4; shut down after
+    the test (their prompts' saves started the save threads: the null test that follows must see none)."""
     built = {"4": Pair("shared_storage", tiny_model, 4, tmp_path)}
     (tmp_path / "64").mkdir()
     built["64"] = Pair("shared_storage", tiny_model, 64, tmp_path / "64", engine_id="hooks-shared-64")
+    monkeypatch.setenv("KVDI_REDIS__URL", redis_server.url)
+    built["redis"] = Pair("redis", tiny_model, 4, tmp_path, engine_id="hooks-redis")
     for pair in built.values():
         pair.worker.worker_side.half.flush()  # the prompts' saves written and collected, then reported: quiet from now
         for output in pair.outputs(2):
@@ -82,14 +86,9 @@ def calls_per_hook(pair: Pair, steps: int = STEPS) -> dict[str, float]:
         wrap(pair.scheduler, hook)
     for hook in WORKER_HOOKS:
         wrap(pair.worker, hook)
-    outputs = pair.outputs(steps)
-    gc.collect()
-    gc.disable()  # a collection's callbacks (vLLM registers some) are no call of kvdi's
     try:
-        for output in outputs:
-            pair.one_step(output)
+        run_steps(pair, steps)
     finally:
-        gc.enable()
         for obj, hooks in ((pair.scheduler, SCHEDULER_HOOKS), (pair.worker, WORKER_HOOKS)):
             for hook in hooks:
                 delattr(obj, hook)
@@ -116,22 +115,59 @@ def test_a_decode_step_costs_null_the_same_for_4_and_64_running_requests_and_at_
         assert four[hook] <= 4, (hook, four[hook])
 
 
-def test_a_store_connectors_quiet_decode_step_costs_what_nulls_does_but_planning_an_empty_output(
+@pytest.mark.redis
+def test_a_store_connectors_quiet_decode_step_costs_what_nulls_does(
     pairs: dict[str, Pair], store_pairs: dict[str, Pair]
 ) -> None:
     """Before: 75 calls a step against null's 44: the store scheduler planned an empty output (the deadline's sample,
     ``is_producer``, the lookup flush, the prefetcher: 8 calls), the worker harvested its empty queue twice (8) and
-    read every gauge for the Prometheus entry (12), and asked its empty staging for prefetch reports (3)."""
-    store, store_64, null = (
+    read every gauge for the Prometheus entry (12), and asked its empty staging for prefetch reports (3). Then 46:
+    the adapter still translated the quiet step for the store half and checked its answer (3), and asked for
+    prefetch reports (1); redis 67: its breakers read every step on both roles (21)."""
+    store, store_64, redis, null = (
         calls_per_hook(store_pairs["4"]),
         calls_per_hook(store_pairs["64"]),
+        calls_per_hook(store_pairs["redis"]),
         calls_per_hook(pairs["null"]),
     )
     assert store == store_64
-    assert sum(store.values()) <= sum(null.values()) + 4, (store, null)
-    assert store["sched.build_connector_meta"] <= null["sched.build_connector_meta"] + 3  # the empty output planned
-    for hook in ("worker.get_transfer_results", "worker.get_kv_connector_stats", "sched.get_kv_connector_stats"):
-        assert store[hook] <= null[hook], (hook, store[hook], null[hook])
+    assert sum(store.values()) <= sum(null.values()), (store, null)
+    assert sum(redis.values()) <= sum(null.values()) + 1, (redis, null)  # the scheduler's breakers: one look
+    hooks = ("sched.build_connector_meta", "worker.build_connector_worker_meta", "worker.get_transfer_results")
+    for hook in (*hooks, "worker.get_kv_connector_stats"):
+        assert store[hook] <= null[hook] and redis[hook] <= null[hook], (hook, store[hook], redis[hook], null[hook])
+    assert redis["sched.get_kv_connector_stats"] <= null["sched.get_kv_connector_stats"] + 1
+
+
+@pytest.mark.redis
+def test_a_quiet_step_asks_the_store_half_only_when_it_is_due(store_pairs: dict[str, Pair]) -> None:
+    """The adapter answers a quiet step for the store half with the shared envelope, unasked, except after a lookup,
+    an allocation or a finished request: then the half plans (its lookups to flush, prefetches to send, staging to
+    drop) and the step after is quiet again."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvdi.integrations.vllm.envelopes import moves_nothing
+
+    pair = store_pairs["4"]
+    half = pair.scheduler.scheduler_side.half
+    inner, asked = half.build_connector_meta, []
+
+    def plan(output: Any) -> Any:
+        asked.append(output)
+        return inner(output)
+
+    half.build_connector_meta = plan
+    try:
+        assert moves_nothing(pair.scheduler.build_connector_meta(pair.outputs(1)[0])) and asked == []
+        request = Request("looked-up", list(range(100, 164)), SamplingParams(max_tokens=4), None)
+        pair.scheduler.get_num_new_matched_tokens(request, 0)
+        assert half.due
+        assert moves_nothing(pair.scheduler.build_connector_meta(pair.outputs(1)[0])) and len(asked) == 1
+        assert not half.due
+        assert moves_nothing(pair.scheduler.build_connector_meta(pair.outputs(1)[0])) and len(asked) == 1
+    finally:
+        del half.build_connector_meta
 
 
 def test_a_step_that_moves_nothing_shares_one_envelope_and_leaves_kvdis_worker_half_alone(

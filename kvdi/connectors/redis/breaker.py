@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from kvdi.connectors.breaker import BreakerOpenError, BreakerState, CircuitBreaker
+from kvdi.connectors.breaker import BreakerMoves, BreakerOpenError, BreakerState, CircuitBreaker
 
-__all__ = ["BreakerOpenError", "BreakerState", "CircuitBreaker"]
+__all__ = ["BreakerMoves", "BreakerOpenError", "BreakerState", "CircuitBreaker"]

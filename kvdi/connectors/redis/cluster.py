@@ -35,7 +35,7 @@ from redis.retry import Retry
 
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.redis.bounded import Bounds
-from kvdi.connectors.redis.breaker import BreakerOpenError, BreakerState, CircuitBreaker
+from kvdi.connectors.redis.breaker import BreakerMoves, BreakerOpenError, BreakerState, CircuitBreaker
 from kvdi.connectors.redis.server import (
     Exchange,
     RedisNode,
@@ -94,6 +94,7 @@ class RedisClusterBlockStore:
         self._balance = LoadBalancingStrategy.ROUND_ROBIN if options.read_from_replicas else None
         self._lock = threading.Lock()
         self._cluster: RedisCluster | None = None
+        self.breaker_moves = BreakerMoves()  # every breaker's moves and each node met: health() moves only with it
         self._reach = self._breaker()  # reaching the cluster at all (the first slot map)
         self._nodes: dict[str, RedisNode] = {}
         self._stale = False
@@ -208,7 +209,7 @@ class RedisClusterBlockStore:
     # internals
 
     def _breaker(self) -> CircuitBreaker:
-        return CircuitBreaker(self._options.breaker_failures, self._options.breaker_reset_s)
+        return CircuitBreaker(self._options.breaker_failures, self._options.breaker_reset_s, moves=self.breaker_moves)
 
     def _connect(self) -> RedisCluster:
         """A fresh client: reads the slot map from the URL's node (or, later, any node it learnt)."""
@@ -253,6 +254,7 @@ class RedisClusterBlockStore:
         known = self._nodes.get(node.name)
         if known is None:
             known = self._nodes[node.name] = RedisNode(client, f"cluster node {node.name}", self._breaker(), node.name)
+            self.breaker_moves.moved()  # a node in health() from now on
         elif known.client is not client:
             known.client = client  # the slot map was read again: redis-py made new clients
         return known

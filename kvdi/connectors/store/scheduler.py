@@ -78,8 +78,9 @@ class StoreSchedulerConnector(SchedulerConnector):
         self.deadline = DeadlineRule(self.store, self.name, self.stats, enabled=scheduler.load_deadline,
                                      margin=scheduler.load_deadline_margin)  # fmt: skip
         self._recompute: set[str] = set()  # requests whose prefetch overran its deadline: they compute
-        self._due = True  # a lookup, an allocation or a finished request since the last plan: the next one is full
-        self._sampling = False  # the last step sampled scheduled MIN_STEP_TOKENS or more: the next step closes it
+        # The next plan has work (a lookup, an allocation or a finished request since the last plan, or the last
+        # step's prefill sample to close): while False, a step that schedules and finishes nothing plans nothing.
+        self.due = True
 
     def enable_lookups(self, unavailable: str | None = None) -> bool:
         """Called once by a host that asks again after a ``None`` answer (the vLLM adapter), with why lookups cannot
@@ -127,7 +128,7 @@ class StoreSchedulerConnector(SchedulerConnector):
         """Tokens to load beyond ``num_computed_tokens`` and whether the load is asynchronous; with prefetch,
         ``(None, False)`` (ask again) while the hit is fetched into host staging, then a synchronous load
         of exactly the blocks that arrived (no second lookup in the store)."""
-        self._due = True  # it may queue a lookup or a prefetch, or release staging: the next plan sends them
+        self.due = True  # it may queue a lookup or a prefetch, or release staging: the next plan sends them
         if request.request_id in self._recompute:
             return 0, False  # its prefetch overran its deadline: it computes
         if self.prefetch is not None:
@@ -236,7 +237,7 @@ class StoreSchedulerConnector(SchedulerConnector):
         return min(stored, len(keys))
 
     def update_state_after_alloc(self, request: KVRequest, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        self._due = True
+        self.due = True
         plan = self._plans.get(request.request_id)
         if plan is not None:
             plan.looked_up_at = -1  # scheduled: a lookup after a preemption asks the store again, once
@@ -258,12 +259,11 @@ class StoreSchedulerConnector(SchedulerConnector):
     def build_connector_meta(self, output: SchedulerOutput) -> KVConnectorMetadata:
         """The step's loads, saves and prefetches; a step that schedules and finishes nothing after nothing new
         (see the module docstring) answers the shared empty metadata without planning."""
-        if not (output.scheduled or output.finished_req_ids or self._due):
-            if self._sampling or self.deadline.enabled:
-                self.deadline.step(0)  # closes the last step's sample, or counts the rule's probes
-                self._sampling = False
+        if not (output.scheduled or output.finished_req_ids or self.due):
+            if self.deadline.enabled:
+                self.deadline.step(0)  # counts the rule's probes
             return _NOTHING[self._transfer.async_save]
-        self._due = False
+        self.due = False
         loads: list[BlockTransfer] = []
         saves: list[BlockTransfer] = []
         producer = self.context.settings.is_producer
@@ -298,7 +298,7 @@ class StoreSchedulerConnector(SchedulerConnector):
             self._recompute.discard(rid)
         tokens = sum(s.num_scheduled_tokens for s in output.scheduled)
         self.deadline.step(tokens)  # the prefill rate's sample
-        self._sampling = tokens >= MIN_STEP_TOKENS
+        self.due = tokens >= MIN_STEP_TOKENS  # a prefill sample: the next step's plan closes it
         if self.lookups is not None:
             self.lookups.flush()  # the step's queued lookups, in one background round trip
         prefetches, drops = self.prefetch.take() if self.prefetch is not None else ((), ())
@@ -312,7 +312,7 @@ class StoreSchedulerConnector(SchedulerConnector):
 
     def request_finished(self, request: KVRequest, block_ids: Sequence[int]) -> tuple[bool, dict[str, object] | None]:
         """Hold the blocks (``delay_free``) when an asynchronous transfer of this request reached the worker."""
-        self._due = True  # its prefetch staging, if any, is dropped by the next plan
+        self.due = True  # its prefetch staging, if any, is dropped by the next plan
         self._async_loads.pop(request.request_id, None)  # planned, never sent: nothing to wait for
         self._recompute.discard(request.request_id)
         if self.lookups is not None:

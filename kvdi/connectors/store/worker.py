@@ -89,7 +89,7 @@ class StoreWorkerConnector(WorkerConnector):
         self._received: set[str] = set()
         self._logged: set[str] = set()
         self._block_event: Callable[[bool, bytes], None] | None = None  # :meth:`watch_blocks` (KV cache events)
-        self._prefetching = False  # prefetches sent or staged since the last report: there may be reports
+        self.prefetch_reports_due = False  # prefetches sent or staged since the last report (the host asks then)
         self.gauge_epoch = 0  # bumped when gauges may move: work bound, in flight, collected (vllm.fleet.store_metrics)
 
     def watch_blocks(self, event: Callable[[bool, bytes], None]) -> None:  # :class:`..base.BlockEventSource`
@@ -114,10 +114,10 @@ class StoreWorkerConnector(WorkerConnector):
         return self.prefetching.staged_bytes
 
     def prefetch_reports(self) -> list[tuple[str, int]]:  # :class:`~kvdi.connectors.base.PrefetchingWorker`
-        if not self._prefetching:
+        if not self.prefetch_reports_due:
             return []  # nothing sent or staged since the last call: no report can have come
         reports = self.prefetching.reports()
-        self._prefetching = self.staging is not None and bool(self.staging.requests)  # staged: more may come
+        self.prefetch_reports_due = self.staging is not None and bool(self.staging.requests)  # staged: more to come
         self.gauge_epoch += 1
         return reports
 
@@ -169,7 +169,7 @@ class StoreWorkerConnector(WorkerConnector):
         if isinstance(metadata, StoreTransferMetadata):
             self._held.update(t.request_id for t in metadata.async_loads)
             self.prefetching.apply(metadata.prefetches, metadata.prefetch_drops)
-            self._prefetching |= bool(metadata.prefetches or metadata.prefetch_drops)
+            self.prefetch_reports_due |= bool(metadata.prefetches or metadata.prefetch_drops)
         if isinstance(metadata, BlockTransferMetadata) and self._async_save:
             self._held.update(t.request_id for t in metadata.saves)
 

@@ -20,7 +20,7 @@ from typing import Any
 from kvdi.connectors.base import PrefetchingScheduler, SchedulerConnector, SchedulerOutput
 from kvdi.connectors.null import NullSchedulerConnector
 from kvdi.connectors.p2p.scheduler import P2pSchedulerConnector
-from kvdi.connectors.store.scheduler import StoreSchedulerConnector
+from kvdi.connectors.store.scheduler import StoreSchedulerConnector, StoreTransferMetadata
 from kvdi.integrations.vllm.async_loads import SchedulerLoads
 from kvdi.integrations.vllm.block_index import BlockIndex
 from kvdi.integrations.vllm.envelopes import EMPTY_INNER, KvdiConnectorMetadata, KvdiWorkerMetadata, empty_envelope
@@ -61,6 +61,11 @@ class SchedulerSide:
         self._idle_wait_s = half.context.settings.transfer.idle_load_wait_ms / 1e3
         self._null = type(half) is NullSchedulerConnector  # plans nothing: not asked on a step with nothing to pass
         self._null_envelope = empty_envelope(NULL_INNER) if self._null else None
+        # A store half plans nothing while it is not due (:attr:`StoreSchedulerConnector.due`) and its load deadline
+        # is off (on, every quiet step counts the rule's probes): its answer to a quiet step is this envelope's.
+        self._store = half if isinstance(half, StoreSchedulerConnector) else None
+        async_save = half.context.settings.transfer.async_save
+        self._store_envelope = empty_envelope(StoreTransferMetadata(async_save=async_save)) if self._store else None
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvdi can load beyond ``num_computed_tokens`` (vLLM's local prefix-cache hit; 0 for producers)."""
@@ -91,8 +96,12 @@ class SchedulerSide:
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
         idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         if tracker.quiet(scheduler_output):
-            if self._null_envelope is not None and not (preempted or idle or self._parked.unheld):
-                return self._null_envelope  # what the null half answers for a step that schedules nothing
+            if not (preempted or idle or self._parked.unheld):
+                if self._null_envelope is not None:
+                    return self._null_envelope  # what the null half answers for a step that schedules nothing
+                store, envelope = self._store, self._store_envelope
+                if store is not None and envelope is not None and not (store.due or store.deadline.enabled):
+                    return envelope  # what the store half answers for a step that schedules nothing, unasked
             output = SchedulerOutput(tracker.step, (), QUIET.finished_req_ids)
         else:
             output = tracker.translate_busy(scheduler_output)

@@ -19,7 +19,7 @@ addresses on wake-up).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from kvdi.connectors.base import (
     AsyncLoadMetadata,
@@ -47,6 +47,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(f"vllm.{__name__}")  # vLLM configures only its own logger tree
 
 
+@runtime_checkable
+class DueReports(Protocol):
+    """A :class:`~kvdi.connectors.base.PrefetchingWorker` that says when a report may be waiting (the store worker
+    half: prefetches sent or staged since its last report): asked for them only then, not every step."""
+
+    prefetch_reports_due: bool
+
+
 class WorkerSide:
     """vLLM's worker-role hooks over kvdi's worker half (one step: bind, load, per layer, save, finished)."""
 
@@ -69,6 +77,7 @@ class WorkerSide:
         self._num_blocks = num_blocks
         self.hybrid = half if isinstance(half, HybridWorker) else None
         self._prefetch_source = half if isinstance(half, PrefetchingWorker) else None
+        self._reports_due = half if isinstance(half, DueReports) else None  # None: asked every step
         self._async = WorkerLoads(counts, half.context.settings.transfer.idle_load_wait_ms / 1000)
         self._step_meta: BlockTransferMetadata | None = None
         self.bound = False  # kvdi's half has this step's metadata (cleared after the step)
@@ -254,7 +263,9 @@ class WorkerSide:
 
     def build_connector_worker_meta(self) -> KvdiWorkerMetadata | None:
         """Keys stored or found gone (for a :class:`BlockIndex`), prefetches that finished; None when neither."""
-        prefetched = tuple(self._prefetch_source.prefetch_reports()) if self._prefetch_source is not None else ()
+        due = self._reports_due
+        source = self._prefetch_source if due is None or due.prefetch_reports_due else None
+        prefetched = tuple(source.prefetch_reports()) if source is not None else ()
         if not (self._stored_keys or self._dropped_keys or prefetched):
             return None
         meta = KvdiWorkerMetadata(tuple(self._stored_keys), tuple(self._dropped_keys), prefetched)

@@ -13,16 +13,23 @@ entry, :data:`PROM_KEY`, that keeps what Prometheus needs and the sum would lose
   flight; a Redis node's breaker: 1 open, 0 otherwise), so the observer keeps the last value
   of each rank and sums them; with ``scheduler.load_deadline`` the scheduler's cost model estimates
   (:mod:`kvdi.connectors.store.deadline`: round trip, load throughput, prefill rate) are gauges too.
+
+vLLM asks for stats every step. A breaker's gauge is read only when one of the store's breakers moved
+(:class:`~kvdi.connectors.breaker.BreakerMoves`, counted by the breaker itself: opened on anyone's call, the
+scheduler's lookups and the deadline's prober included, made the probe once its reset time passed, closed), so a
+step with no counter moved, no miss and no breaker moved answers None without reading a breaker. A store whose
+health no move count covers (:func:`breaker_moves`) has its breakers read every step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from kvdi.connectors.base import StoreHalf, WorkerGauges
+from kvdi.connectors.breaker import BreakerMoves, CircuitBreaker
 from kvdi.connectors.store.deadline import DeadlineRule
-from kvdi.connectors.store.protocol import health_checks
+from kvdi.connectors.store.protocol import StoreCapabilities, health_checks
 
 PROM_KEY = "kvdi/prom"
 HISTOGRAM_COUNTERS = ("load_seconds", "save_seconds")
@@ -32,6 +39,43 @@ def breaker_states(checks: list[Callable[[], Mapping[str, bool]]]) -> dict[str, 
     """Whether each node's circuit breaker is open, by node label, from a store tree's
     :meth:`~kvdi.connectors.store.HealthStore.health` checks (:func:`~kvdi.connectors.store.health_checks`)."""
     return {str(node): not serving for check in checks for node, serving in check().items()}
+
+
+@runtime_checkable
+class OneBreakerStore(Protocol):
+    """A :class:`~kvdi.connectors.store.HealthStore` behind one circuit breaker (a Redis server, an S3 endpoint):
+    its health is that breaker's, so it changes only when ``breaker.moves`` counts a move."""
+
+    @property
+    def breaker(self) -> CircuitBreaker: ...
+
+
+@runtime_checkable
+class BreakersStore(Protocol):
+    """A :class:`~kvdi.connectors.store.HealthStore` of several breakers (a Redis Cluster's nodes): its health
+    changes only when ``breaker_moves`` counts a move (a breaker's change of state, or a node met)."""
+
+    breaker_moves: BreakerMoves
+
+
+def breaker_moves(store: object) -> list[BreakerMoves] | None:
+    """The move counts covering the health of ``store`` and of every store it is made of, found once; None when
+    the health of one of them is covered by none (it is read at every report)."""
+    caps = StoreCapabilities.of(store)
+    found: list[BreakerMoves] = []
+    if caps.health is not None:
+        if isinstance(store, BreakersStore):
+            found.append(store.breaker_moves)
+        elif isinstance(store, OneBreakerStore) and isinstance(store.breaker, CircuitBreaker):
+            found.append(store.breaker.moves)
+        else:
+            return None
+    for part in caps.parts:
+        more = breaker_moves(part)
+        if more is None:
+            return None
+        found += more
+    return found
 
 
 class FleetCounters:
@@ -49,9 +93,16 @@ class FleetCounters:
         self._gauges: dict[str, float] = {}
         self._gauged = half if isinstance(half, WorkerGauges) else None
         self._health = health_checks(half.store) if isinstance(half, StoreHalf) else []
+        moves = breaker_moves(half.store) if self._health and isinstance(half, StoreHalf) else []
+        self._moves = tuple(moves or ())  # read at each entry: the breakers are read only when their sum moved
+        self._moves_seen = -1 if self._moves else 0  # their sum at the last read of the breakers (-1: never read)
         rule = getattr(half, "deadline", None)
         self._deadline = rule if isinstance(rule, DeadlineRule) and rule.enabled else None
         self._gauges_due = bool(self._gauged is not None or self._deadline is not None or self._health)
+        # Gauges that move with no sign here: the deadline's estimates (the prober's thread), a store's health that no
+        # move count covers. They are read at every entry.
+        self._unsignalled = self._deadline is not None or (bool(self._health) and moves is None)
+        self._polled = self._unsignalled or self._gauged is not None  # read every step (a subclass may know better)
         # No counter moved, no miss counted since the last entry: this entry is None (a subclass may add more).
         self.unmoved_is_empty = type(self) is FleetCounters and not self._gauges_due
 
@@ -61,9 +112,18 @@ class FleetCounters:
         self.lookup_miss_blocks += max(asked - max(matched_tokens, 0) // block_size, 0)
 
     def entry(self, delta: dict[str, int | float] | None) -> dict[str, Any] | None:
-        """The :data:`PROM_KEY` entry of this step (None when nothing changed: at once, with no gauge to read)."""
-        if not (delta or self._gauges_due or self.lookup_miss_blocks != self.reported_misses):
+        """The :data:`PROM_KEY` entry of this step (None when nothing changed: at once, with no gauge to read, when
+        every gauge says when it moves and none did)."""
+        moves = 0
+        for counted in self._moves:  # read before the breakers: a move after this read is seen at the next entry
+            moves += counted.count
+        if not (delta or self._polled or self.lookup_miss_blocks != self.reported_misses or moves != self._moves_seen):
             return None
+        self._moves_seen = moves
+        return self._entry(delta)
+
+    def _entry(self, delta: dict[str, int | float] | None) -> dict[str, Any] | None:
+        """The entry, every gauge read (only those that changed are in it)."""
         out: dict[str, Any] = {}
         for name, value in (delta or {}).items():
             if name in HISTOGRAM_COUNTERS:
@@ -114,4 +174,13 @@ def merge_entries(mine: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]
     return merged
 
 
-__all__ = ["HISTOGRAM_COUNTERS", "PROM_KEY", "FleetCounters", "breaker_states", "merge_entries"]
+__all__ = [
+    "HISTOGRAM_COUNTERS",
+    "PROM_KEY",
+    "BreakersStore",
+    "FleetCounters",
+    "OneBreakerStore",
+    "breaker_moves",
+    "breaker_states",
+    "merge_entries",
+]

@@ -16,8 +16,9 @@ vLLM asks for stats every step. A half that says when its gauges may move (:clas
 half bumps ``gauge_epoch`` when it binds work, while work is in flight and when it collects some) has them read only
 then: a step with no counter moved, no eviction, and the same epoch as the last read answers None without reading a
 gauge. Gauges are still current at every answer: each source but a breaker moves only through this rank's
-transfers; a store with breakers (Redis) has its gauges read every step (a breaker opens on the scheduler's lookups
-too, and closes on its reset time).
+transfers, and a breaker's gauge is read when one of the store's breakers moved (:class:`~.counters.FleetCounters`:
+a breaker counts its own moves, whoever's call made them: the scheduler's lookups share the store in an in-process
+engine, and an open breaker becomes the probe on the first call after its reset time).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class SizedStore(Protocol):
 
 @runtime_checkable
 class GaugeEpoch(Protocol):
-    """A worker half whose gauges (and its stores' sizes, not breakers) move only when ``gauge_epoch`` changed."""
+    """A worker half whose gauges (and its stores' sizes; breakers count their own moves) move only when
+    ``gauge_epoch`` changed."""
 
     gauge_epoch: int
 
@@ -60,10 +62,10 @@ class StoreCounters(FleetCounters):
         self._tiers_sent = False
         self._epochs = half if isinstance(half, GaugeEpoch) else None
         self._epoch = -1  # the half's epoch at the last read of the gauges
-        # Nothing to read on a quiet step: the half says when its gauges move, or nothing here is a gauge. Never with
-        # breakers: a breaker moves on lookups (the scheduler half's, the background lookups', the deadline's prober
-        # share the store) and on its reset time, not only on this rank's transfers.
-        self._skips_quiet = (self._epochs is not None and not self._health) or not (self._gauges_due or self._sized)
+        # Nothing to read on a quiet step: the half says when its gauges and sizes move (or it has none), and the
+        # breakers' moves are counted (:class:`~.counters.FleetCounters`).
+        has_epoch = self._epochs is not None or (self._gauged is None and not self._sized)
+        self._skips_quiet = has_epoch and not self._unsignalled
 
     def evictions(self, queue: deque[bytes] | None) -> Callable[[bytes], None]:
         """The watcher for one store's ``watch_evictions``: counts each eviction, queues its key for events."""
@@ -78,6 +80,9 @@ class StoreCounters(FleetCounters):
     def entry(self, delta: dict[str, int | float] | None) -> dict[str, Any] | None:
         """This step's :data:`~.counters.PROM_KEY` entry; None at once on a quiet step (see the module docstring)."""
         epochs = self._epochs
+        moves = 0
+        for counted in self._moves:  # read before the breakers: a move after this read is seen at the next entry
+            moves += counted.count
         if (
             not delta
             and self._skips_quiet
@@ -85,11 +90,13 @@ class StoreCounters(FleetCounters):
             and self.evicted_blocks == self._reported_evicted
             and self.lookup_miss_blocks == self.reported_misses
             and (epochs is None or epochs.gauge_epoch == self._epoch)
+            and moves == self._moves_seen
         ):
             return None
         if epochs is not None:
             self._epoch = epochs.gauge_epoch
-        out = super().entry(delta) or {}
+        self._moves_seen = moves
+        out = self._entry(delta) or {}
         evicted = self.evicted_blocks - self._reported_evicted
         if evicted:
             out[f"c|{self.role}|evicted_blocks"] = evicted
