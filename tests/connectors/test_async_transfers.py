@@ -39,18 +39,8 @@ class GatedStore(DictStore):
 
 
 def step(engine: Engine, req: KVRequest = PROMPT, blocks: tuple[int, ...] = BLOCKS) -> StoreTransferMetadata:
-    """Plan and run one prefill step of ``req`` by hand, without flushing; returns the step's metadata."""
-    n, _ = engine.scheduler.get_num_new_matched_tokens(req, 0)
-    engine.scheduler.update_state_after_alloc(req, blocks, n)
-    engine.steps += 1
-    sched = ScheduledRequest(req, blocks, n, len(req.prompt_token_ids) - n)
-    meta = engine.scheduler.build_connector_meta(SchedulerOutput(engine.steps, (sched,)))
-    assert isinstance(meta, StoreTransferMetadata)
-    engine.worker.bind_connector_metadata(meta)
-    engine.worker.start_load_kv()
-    engine.worker.wait_for_save()
-    engine.worker.clear_connector_metadata()
-    return meta
+    """One prefill step of ``req`` by hand, without flushing (:meth:`Engine.step`)."""
+    return engine.step(req, blocks)
 
 
 def test_wait_for_save_returns_before_the_medium_and_the_blocks_stay_held_until_written() -> None:

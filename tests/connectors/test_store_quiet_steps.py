@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from kvdi.connectors.base import KVRequest, ScheduledRequest, SchedulerOutput
+from kvdi.connectors.base import KVRequest, SchedulerOutput
 from kvdi.connectors.shared_storage import FileBlockStore
 from kvdi.connectors.store import StoreTransferMetadata
 from kvdi.connectors.store.deadline import MIN_STEP_TOKENS
@@ -58,18 +58,8 @@ class GatedStore(DictStore):
 
 
 def prefill_step(engine: Engine, req: KVRequest = PROMPT) -> StoreTransferMetadata:
-    """Plan and run one prefill step of ``req`` on both halves (asynchronous saves stay queued)."""
-    n, _ = engine.scheduler.get_num_new_matched_tokens(req, 0)
-    engine.scheduler.update_state_after_alloc(req, BLOCKS, n or 0)
-    engine.steps += 1
-    sched = ScheduledRequest(req, BLOCKS, n or 0, len(req.prompt_token_ids) - (n or 0))
-    meta = engine.scheduler.build_connector_meta(SchedulerOutput(engine.steps, (sched,)))
-    assert isinstance(meta, StoreTransferMetadata)
-    engine.worker.bind_connector_metadata(meta)
-    engine.worker.start_load_kv()
-    engine.worker.wait_for_save()
-    engine.worker.clear_connector_metadata()
-    return meta
+    """One prefill step of ``req`` on both halves (:meth:`Engine.step`: asynchronous saves stay queued)."""
+    return engine.step(req, BLOCKS)
 
 
 def test_a_quiet_step_after_a_plan_is_answered_in_one_call_with_the_empty_metadata() -> None:

@@ -17,7 +17,7 @@ from kvdi.connectors.base import (
     SchedulerOutput,
     run_transfer_step,
 )
-from kvdi.connectors.store import BlockStore, StoreSchedulerConnector, StoreWorkerConnector
+from kvdi.connectors.store import BlockStore, StoreSchedulerConnector, StoreTransferMetadata, StoreWorkerConnector
 from kvdi.layout import KVCacheSpec
 from kvdi.settings import KvdiSettings
 
@@ -65,6 +65,21 @@ class Engine:
         self.worker.io_thread = self.io_thread
         self.caches = make_caches(self.layout, self.num_blocks, self.seed)
         self.worker.register_kv_caches(self.caches)
+
+    def step(self, request: KVRequest, block_ids: tuple[int, ...]) -> StoreTransferMetadata:
+        """Plan and run one prefill step of ``request`` on both halves by hand, without flushing (asynchronous
+        saves stay queued, the request stays running); returns the step's metadata."""
+        n, _ = self.scheduler.get_num_new_matched_tokens(request, 0)
+        self.scheduler.update_state_after_alloc(request, block_ids, n or 0)
+        self.steps += 1
+        sched = ScheduledRequest(request, block_ids, n or 0, len(request.prompt_token_ids) - (n or 0))
+        meta = self.scheduler.build_connector_meta(SchedulerOutput(self.steps, (sched,)))
+        assert isinstance(meta, StoreTransferMetadata)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv()
+        self.worker.wait_for_save()
+        self.worker.clear_connector_metadata()
+        return meta
 
     def prefill(self, request: KVRequest, block_ids: tuple[int, ...]) -> tuple[int, set[int]]:
         """Look up, load and save one whole prompt in one step; returns (loaded tokens, blocks with load errors)."""
