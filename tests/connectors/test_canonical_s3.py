@@ -13,31 +13,19 @@ pytest.importorskip("torch")
 import torch
 
 from kvdi.connectors.base import (
-    BlockTransfer,
-    BlockTransferMetadata,
     ConnectorContext,
     KVConnectorRole,
-    run_transfer_step,
 )
 from kvdi.connectors.s3 import S3BlockStore, S3Settings, open_store
 from kvdi.connectors.store import StoreWorkerConnector
 from kvdi.connectors.store.canonical import Section
-from kvdi.connectors.store.canonical_store import CanonicalBlockStore, part_tag
-from kvdi.connectors.store.keys import block_keys
+from kvdi.connectors.store.canonical_store import CanonicalBlockStore
 from kvdi.errors import ConfigError
 from kvdi.layout import KVCacheSpec
 from kvdi.settings import KvdiSettings
+from tests.helpers.canonical import BS, HEADS, KEYS, LAYERS, WHOLE, rank_layout, step
 from tests.helpers.s3 import new_bucket, object_names, raw_client, s3_server
 from tests.helpers.store import make_caches
-
-HEADS, LAYERS, BS = 2, 2, 4
-WHOLE = KVCacheSpec("m#canonical", LAYERS, HEADS, 8, BS, "float32")
-KEYS = tuple(block_keys(list(range(4 * BS + 1)), WHOLE))
-
-
-def rank_layout(rank: int, tp: int = 2, heads: int = HEADS, order: str = "") -> KVCacheSpec:
-    tag = part_tag(0, LAYERS, LAYERS, rank, tp, heads)
-    return KVCacheSpec(f"m{tag}", LAYERS, max(1, heads // tp), 8, BS, "float32", block_order=order)
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +60,6 @@ def opened(endpoint: str) -> Iterator[Opened]:
     yield o
     for half in o.halves:
         half.shutdown()
-
-
-def step(half: StoreWorkerConnector, ids: tuple[int, ...], save: bool) -> set[int]:
-    transfer = (BlockTransfer("r", ids, KEYS),)
-    failed = run_transfer_step(half, BlockTransferMetadata(() if save else transfer, transfer if save else ()))
-    half.flush()
-    return failed
 
 
 def inner(half: StoreWorkerConnector) -> S3BlockStore:

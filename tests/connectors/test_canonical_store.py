@@ -10,33 +10,20 @@ import pytest
 import torch
 
 from kvdi.connectors.base import (
-    BlockTransfer,
-    BlockTransferMetadata,
     ConnectorContext,
     KVConnectorRole,
-    run_transfer_step,
 )
 from kvdi.connectors.shared_storage import open_store
 from kvdi.connectors.store import StoreWorkerConnector
 from kvdi.connectors.store.canonical import RankPart, Section
 from kvdi.connectors.store.canonical_io import CanonicalRank
-from kvdi.connectors.store.canonical_store import CanonicalBlockStore, part_tag
+from kvdi.connectors.store.canonical_store import CanonicalBlockStore
 from kvdi.connectors.store.framing import unframe
-from kvdi.connectors.store.keys import block_keys
 from kvdi.errors import ConfigError
 from kvdi.layout import KVCacheSpec
 from kvdi.settings import KvdiSettings
+from tests.helpers.canonical import BS, HEADS, KEYS, LAYERS, WHOLE, rank_layout, step
 from tests.helpers.store import make_caches
-
-HEADS, LAYERS, BS = 2, 2, 4
-WHOLE = KVCacheSpec("m#canonical", LAYERS, HEADS, 8, BS, "float32")
-TOKENS = list(range(4 * BS + 1))
-KEYS = tuple(block_keys(TOKENS, WHOLE))
-
-
-def rank_layout(rank: int, tp: int = 2, heads: int = HEADS) -> KVCacheSpec:
-    tag = part_tag(0, LAYERS, LAYERS, rank, tp, heads)
-    return KVCacheSpec(f"m{tag}", LAYERS, max(1, heads // tp), 8, BS, "float32")
 
 
 def settings(root: Path, **extra: object) -> KvdiSettings:
@@ -53,14 +40,6 @@ def worker(
     caches = make_caches(layout, 16, seed)
     half.register_kv_caches(caches)
     return half, caches
-
-
-def step(half: StoreWorkerConnector, ids: tuple[int, ...], save: bool) -> set[int]:
-    transfer = (BlockTransfer("r", ids, KEYS),)
-    meta = BlockTransferMetadata(() if save else transfer, transfer if save else ())
-    failed = run_transfer_step(half, meta)
-    half.flush()
-    return failed
 
 
 def test_tp1_saves_and_each_tp2_rank_loads_its_head(tmp_path: Path) -> None:

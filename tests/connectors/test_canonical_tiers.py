@@ -17,30 +17,19 @@ import torch
 from dependency_injector import providers
 
 from kvdi.connectors.base import (
-    BlockTransfer,
-    BlockTransferMetadata,
     ConnectorContext,
     KVConnectorRole,
-    run_transfer_step,
 )
 from kvdi.connectors.cpu_offload import HostPoolStore
 from kvdi.connectors.multi import TieredStore
 from kvdi.connectors.store import StoreWorkerConnector
-from kvdi.connectors.store.canonical_store import CanonicalBlockStore, part_tag
-from kvdi.connectors.store.keys import block_keys
+from kvdi.connectors.store.canonical_store import CanonicalBlockStore
 from kvdi.containers import KVTransferContainer, build_kv_container
 from kvdi.errors import ConfigError
 from kvdi.integrations.vllm.parallel import stores_canonical
 from kvdi.layout import KVCacheSpec
+from tests.helpers.canonical import HEADS, KEYS, WHOLE, rank_layout, step
 from tests.helpers.store import make_caches
-
-HEADS, LAYERS, BS = 2, 2, 4
-WHOLE = KVCacheSpec("m#canonical", LAYERS, HEADS, 8, BS, "float32")
-KEYS = tuple(block_keys(list(range(4 * BS + 1)), WHOLE))
-
-
-def rank_layout(rank: int, tp: int = 2) -> KVCacheSpec:
-    return KVCacheSpec(f"m{part_tag(0, LAYERS, LAYERS, rank, tp, HEADS)}", LAYERS, HEADS // tp, 8, BS, "float32")
 
 
 class Engines:
@@ -71,13 +60,6 @@ class Engines:
     def close(self) -> None:
         for c in self.containers:
             c.shutdown_resources()
-
-
-def step(half: StoreWorkerConnector, ids: tuple[int, ...], save: bool) -> set[int]:
-    transfer = (BlockTransfer("r", ids, KEYS),)
-    failed = run_transfer_step(half, BlockTransferMetadata(() if save else transfer, transfer if save else ()))
-    half.flush()
-    return failed
 
 
 def pool_of(store: TieredStore) -> HostPoolStore:
