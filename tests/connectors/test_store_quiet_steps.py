@@ -5,10 +5,9 @@ jobs reported and the worker's gauges read again whenever its work moved. Calls 
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from kvdi.connectors.store.deadline import MIN_STEP_TOKENS
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue
 from kvdi.integrations.vllm.fleet.store_metrics import StoreCounters
+from tests.helpers.calls import calls
 from tests.helpers.store import DictStore, Engine, make_settings, request, small_layout
 
 LAYOUT = small_layout(block_size=4)
@@ -27,22 +27,6 @@ PROMPT = request(range(18))  # 4 full blocks and 2 tokens
 BLOCKS = (1, 2, 3, 4, 5)
 QUIET = SchedulerOutput(0, ())
 INFLIGHT = "g|worker|0-0|inflight_bytes|"
-
-
-def calls(fn: Callable[..., Any], *args: Any) -> tuple[int, Any]:
-    """Python function calls made by ``fn(*args)`` (itself included), and its result."""
-    count = 0
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        nonlocal count
-        count += event == "call"
-
-    sys.setprofile(profile)
-    try:
-        result = fn(*args)
-    finally:
-        sys.setprofile(None)
-    return count, result
 
 
 class GatedStore(DictStore):

@@ -9,10 +9,8 @@ seen at the next step. Calls are counted with ``sys.setprofile`` (deterministic,
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
@@ -22,6 +20,7 @@ from kvdi.integrations.vllm.fleet.counters import FleetCounters, breaker_moves
 from kvdi.integrations.vllm.fleet.store_metrics import StoreCounters
 from kvdi.settings import RedisSettings
 from kvdi.testing.redis_server import RedisServer
+from tests.helpers.calls import calls
 from tests.helpers.store import DictStore, Engine, make_settings, small_layout
 
 LAYOUT = small_layout(block_size=4)
@@ -61,22 +60,6 @@ class UncountedHealthStore(DictStore):
     def health(self) -> dict[str, bool]:
         self.asked += 1
         return {"node": self.serving}
-
-
-def calls(fn: Callable[..., Any], *args: Any) -> tuple[int, Any]:
-    """Python function calls made by ``fn(*args)`` (itself included), and its result."""
-    count = 0
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        nonlocal count
-        count += event == "call"
-
-    sys.setprofile(profile)
-    try:
-        result = fn(*args)
-    finally:
-        sys.setprofile(None)
-    return count, result
 
 
 def test_each_change_of_a_breakers_state_is_counted_and_nothing_else() -> None:
