@@ -15,7 +15,7 @@ bash "$ROOT/.ci/vllm-venv.sh"  # builds .venv-vllm on first use, reuses it after
 REPORT="$(mktemp -d)/junit.xml"
 # REQUIRE_VLLM_TESTS turns "vLLM missing" into a failure; CI=1 does the same for redis-server.
 REQUIRE_VLLM_TESTS=1 CI=1 VLLM_CPU_KVCACHE_SPACE=1 \
-    "$PY" -m pytest tests/real_vllm -p no:cacheprovider -q -rs --junitxml="$REPORT" "$@"
+    "$PY" -m pytest tests/real_vllm -p no:cacheprovider -q -rs --durations=25 --junitxml="$REPORT" "$@"
 
 # pytest passes with skipped tests; this job must not.
 "$PY" - "$REPORT" <<'PYEOF'
