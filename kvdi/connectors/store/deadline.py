@@ -25,7 +25,11 @@ clamped to bounds. :class:`DeadlineRule` applies the rule, with ``margin`` = ``s
 - a prefetch (or a background lookup) still running ``deadline_s`` after it was asked for is abandoned:
   ``margin`` x recomputing, or :data:`OUTLIER` x what it was expected to take if that is sooner (a store
   that turned slow costs a few expected round trips, not a recompute; expected at the slow end of recent round
-  trips, so a jittered store's usual outliers are not overruns), at least :data:`MIN_DEADLINE_S`;
+  trips, so a jittered store's usual outliers are not overruns), at least :data:`MIN_DEADLINE_S`, and never
+  shorter than the store's usual slow end (:meth:`DeadlineRule.slow_end_s`: the slow end of recent round trips
+  plus the bytes at the throughput), itself at most ``margin + 1`` x recomputing (a wait past the budget costs a
+  request at most one recompute more; before, a jittered store's usual slow prefetch was abandoned at the budget
+  and recomputed, paying both);
   the request computes, the late bytes land in host staging that is dropped, never in a KV block
   (``deadline_recomputes``), and the round trip estimate rises to at least the time it ran, so the next
   lookups are skipped until the store answers faster (a probe).
@@ -197,10 +201,22 @@ class DeadlineRule:
             return float("inf")
         if self.suspect:
             return 0.0  # another wait on this store overran and it has not answered since: stop waiting now
+        deadline, slow_end = budget, self.slow_end_s(tokens, nbytes)
+        if slow_end is not None:
+            deadline = max(min(budget, OUTLIER * slow_end), slow_end)
+        return max(deadline, MIN_DEADLINE_S)
+
+    def slow_end_s(self, tokens: int, nbytes: int | None = None) -> float | None:
+        """How long a background lookup (``nbytes`` None) or a load of ``nbytes`` takes at the store's usual slow
+        end (the slow end of recent round trips, :attr:`~.deadline_estimates.RoundTrips.tail`, plus the bytes at the
+        throughput), at most the budget plus one more recompute of ``tokens``: no deadline is shorter (a wait that
+        long is the store's usual, not an overrun; abandoning it costs the wait and a recompute), and waiting past
+        the budget costs a request at most one recompute more. None until measured."""
         expected = self.model.rtt.tail if nbytes is None else self.model.load_s(nbytes, tail=True)
-        if expected is not None:
-            budget = min(budget, OUTLIER * expected)
-        return max(budget, MIN_DEADLINE_S)
+        recompute = self.model.recompute_s(tokens)
+        if expected is None or recompute is None:
+            return expected
+        return min(expected, (self.margin + 1.0) * recompute)
 
     def overran(self, what: str, tokens: int, elapsed_s: float) -> None:
         """A prefetch or lookup ran past its deadline and was abandoned: counted, and the round trip is at least
