@@ -15,8 +15,8 @@ lookups and hits would have paid off. So:
   samples when it is sustained: :data:`SHIFT_SAMPLES` samples in a row beyond :data:`SHIFT` x the median of the ones
   before them (a store that moved, slower or faster) restart the window from them;
 - a deadline (how long a lookup or a load may run before it is abandoned) is measured from the slow end of recent
-  round trips (:attr:`RoundTrips.tail`: the 95th percentile of the last :data:`TAIL_WINDOW`), not the median: a
-  jittered store's usual outlier is not an overrun;
+  round trips (:attr:`RoundTrips.tail`: the slowest of the last :data:`TAIL_WINDOW`, kept when the median's
+  window restarts), not the median: a jittered store's usual outlier is not an overrun;
 - the prober (:meth:`.deadline.DeadlineRule.probe`) asks again at once while its sample is beyond :data:`SHIFT` x
   the estimate (:attr:`RoundTrips.unsettled`), so an idle engine believes a store that moved within a few round
   trips, and a jittered probe's outlier is outvoted by the next ones.
@@ -36,12 +36,8 @@ RTT_WINDOW = 9
 """Round-trip samples the median is taken over."""
 
 TAIL_WINDOW = 32
-"""Round-trip samples the slow end (:attr:`RoundTrips.tail`, a deadline's measure) is taken over: enough that a
-jittered store's usual outliers (one round trip in five, say) are in it whatever the last few were."""
-
-TAIL_QUANTILE = 0.95
-"""The slow end of recent round trips: this quantile of the last :data:`TAIL_WINDOW` (of 32: the third slowest; of 9:
-the second slowest)."""
+"""Round-trip samples the slow end (:attr:`RoundTrips.tail`, a deadline's measure: the slowest of them) is taken over:
+enough that a jittered store's usual outliers (one round trip in five, say) are in it whatever the last few were."""
 
 LOAD_WINDOW = 9
 """Throughput samples the load throughput's median is taken over."""
@@ -115,7 +111,7 @@ class RoundTrips:
     def __init__(self, low: float = RTT_BOUNDS[0], high: float = RTT_BOUNDS[1]) -> None:
         self.low, self.high = low, high
         self.recent: tuple[float, ...] = ()  # the window, replaced whole: readers on other threads see one or the other
-        self.history: tuple[float, ...] = ()  # the last TAIL_WINDOW samples since the store last moved (the tail's)
+        self.history: tuple[float, ...] = ()  # the last TAIL_WINDOW samples (the slow end's)
         self.floor: float | None = None  # set by an overrun, cleared by an answer faster than it
         self.samples = 0
 
@@ -129,16 +125,15 @@ class RoundTrips:
 
     @property
     def tail(self) -> float | None:
-        """The slow end of recent round trips (the :data:`TAIL_QUANTILE` quantile of the last :data:`TAIL_WINDOW`
-        since the store last moved: of 9, the second slowest; the slowest of fewer than 3), at least the estimate:
+        """The slow end of recent round trips (the slowest of the last :data:`TAIL_WINDOW`), at least the estimate:
         how long a lookup may run on this store, jitter included, without it having turned slow (a deadline's
-        measure; a jittered store's outliers are its usual tail, not a stall)."""
+        measure; a jittered store's outliers are its usual tail, not a stall). A stall's lone answer (a probe that
+        waited it out) lifts it for the next samples; what a deadline takes from it is bounded by the cost of
+        recomputing (:meth:`.deadline.DeadlineRule.slow_end_s`)."""
         value, history = self.value, self.history
         if value is None or not history:
             return value
-        ordered = sorted(history)
-        at = len(ordered) - 1 if len(ordered) < 3 else int(TAIL_QUANTILE * (len(ordered) - 1))
-        return max(value, ordered[at])
+        return max(value, max(history))
 
     @property
     def unsettled(self) -> bool:
@@ -160,7 +155,7 @@ class RoundTrips:
             before = statistics.median(window[:-SHIFT_SAMPLES])
             last = window[-SHIFT_SAMPLES:]
             if all(s > SHIFT * before for s in last) or all(s * SHIFT < before for s in last):
-                window = history = last  # sustained: the store moved
+                window = last  # sustained: the store moved (its slow end keeps the history: a jittered store shifts)
         self.recent, self.history = window, history
         value = self.value
         assert value is not None
