@@ -16,8 +16,14 @@ moving averages; the round trip is the median of recent samples, which a jittere
 move (a rise is believed at once only from an overrun, or once it persists: :class:`RoundTrips`). Each sample is
 clamped to bounds. :class:`DeadlineRule` applies the rule, with ``margin`` = ``scheduler.load_deadline_margin``:
 
+- recomputing a request costs the engine step it joins, not its tokens alone: a request the rule sends to compute
+  joins the others it sent to compute in the same step (:attr:`DeadlineRule.joining`, their tokens, reset each
+  step), so four requests arriving together are judged on one, two, three and four prompts' recompute (judged one
+  by one, each on its own prompt, all four were skipped at 5 ms, or at 0 ms on a fast engine, and recomputed in one
+  step four prompts long, slower than loading them at once);
 - a lookup whose expected round trip, plus the expected load of a whole hit (once the throughput is measured),
-  costs more than ``margin`` x recomputing the request's uncached prompt is not made: the answer is 0 at once
+  costs more than ``margin`` x recomputing the request's uncached prompt (and the step's joining tokens) is not
+  made: the answer is 0 at once
   (``lookups_skipped``); while lookups are skipped a probe (one lookup of a key no store holds) runs in the
   background at most every :data:`PROBE_INTERVAL_S`, so a store that recovers is used again;
 - a hit whose expected load (a round trip and its bytes at the throughput) costs more than ``margin`` x
@@ -123,6 +129,7 @@ class DeadlineRule:
         self._probe_at = -PROBE_INTERVAL_S
         self._probing = False
         self._probes = 0  # probes answered, counted into ``stats`` on the scheduler's thread (:meth:`step`)
+        self.joining = 0  # tokens this step's requests recompute by the rule's answers: a recompute joins them
         self._lock = threading.Lock()
         self._sampled_at = float("-inf")  # when the store last answered (a round trip or a load sampled)
         self.suspect = False  # a wait overran and the store has not answered since: in-flight waits are abandoned
@@ -135,6 +142,7 @@ class DeadlineRule:
     def step(self, tokens: int) -> None:
         """An engine step scheduled ``tokens`` (the prefill rate's sample); probes answered since are counted."""
         self.model.step(tokens)
+        self.joining = 0
         with self._lock:
             probes, self._probes = self._probes, 0
         self.stats.deadline_probes += probes
@@ -168,13 +176,14 @@ class DeadlineRule:
         """True when a lookup's expected round trip, plus the expected load of its best hit (``loadable_bytes``, once
         the throughput is measured), costs more than recomputing ``uncached_tokens``: even a whole hit cannot pay
         off (counted, and a background probe of the round trip is started when one is due)."""
-        budget = self.budget_s(uncached_tokens) if self.enabled else None
+        budget = self.budget_s(uncached_tokens + self.joining) if self.enabled else None
         rtt = self.model.rtt.value
         load = self.model.load_s(loadable_bytes) if loadable_bytes > 0 else None
         expected = None if rtt is None else rtt + (load or 0.0)
         if budget is None or expected is None or expected <= budget:
             return False
         self.stats.lookups_skipped += 1
+        self.joining += uncached_tokens
         logger.debug("kv connector %r: lookup skipped, %d tokens recompute: round trip and best load %.2f ms > budget "
                      "%.2f ms (%s)", self.name, uncached_tokens, expected * 1e3, budget * 1e3,
                      self.model.describe())  # fmt: skip
@@ -184,11 +193,12 @@ class DeadlineRule:
     def offer(self, hit_tokens: int, hit_bytes: int) -> bool:
         """False (counted) when loading a hit of ``hit_tokens`` (``hit_bytes``) is expected to cost more than
         recomputing it; True otherwise, and while the estimates are not measured."""
-        budget = self.budget_s(hit_tokens) if self.enabled else None
+        budget = self.budget_s(hit_tokens + self.joining) if self.enabled else None
         load = self.model.load_s(hit_bytes)
         if budget is None or load is None or load <= budget:
             return True
         self.stats.deadline_refused += 1
+        self.joining += hit_tokens
         logger.debug("kv connector %r: hit of %d tokens not offered: load %.2f ms > budget %.2f ms (%s)",
                      self.name, hit_tokens, load * 1e3, budget * 1e3, self.model.describe())  # fmt: skip
         return False
