@@ -50,6 +50,9 @@ sampled for :data:`REFRESH_S` (the same probe, never on the scheduler's thread),
 or the first after an idle spell in which the store turned slow, are judged on a fresh round trip instead of
 paying for an overrun to learn it. Under traffic the lookups themselves are the samples and it stays quiet.
 
+A background load already writing into KV blocks (``transfer.async_load``) has the same deadline as a prefetch of
+its bytes; past it, it is cancelled safely (:mod:`.deadline_loads`) and counted the same way.
+
 A stalled store: once a wait overran (:meth:`DeadlineRule.overran`) and until the store answers anything again (a
 lookup, a prefetch's report, a probe), the store is *suspect*: every other lookup or prefetch still waiting on it
 is abandoned at its next ask (its deadline is 0), not each after its own deadline.
