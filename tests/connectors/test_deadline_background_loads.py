@@ -137,3 +137,15 @@ def test_on_redis_a_cancelled_load_stalled_by_sigstop_reads_no_byte_into_the_blo
         assert worker.stats.loaded_blocks == 0 and sched.stats.deadline_recomputes == 1
     finally:
         store.close()
+
+
+def test_a_cancelled_load_s_request_computes_when_asked_again() -> None:
+    store, clock = CountingStore(), Clock()
+    consumer, _ = _sent(store, clock)
+    sched = consumer.scheduler
+    clock.now += 0.021
+    assert sched.build_connector_meta(SchedulerOutput(2, ())).load_cancels == ("r",)
+    sched.deadline.answered(1e-4)  # the store answers fast again: another request's hit would load
+    assert sched.get_num_new_matched_tokens(PROMPT, 0) == (0, False)  # vLLM recomputes this one: no second load
+    store.gate.set()
+    consumer.worker.flush()

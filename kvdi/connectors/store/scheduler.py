@@ -308,6 +308,7 @@ class StoreSchedulerConnector(SchedulerConnector):
             self.lookups.flush()  # the step's queued lookups, in one background round trip
         prefetches, drops = self.prefetch.take() if self.prefetch is not None else ((), ())
         cancels = self.load_deadlines.due(self.deadline)  # before this step's loads: a load gets its whole deadline
+        self._recompute.update(cancels)  # asked again once vLLM takes its blocks back: it computes
         self.load_deadlines.sent(async_loads, self.deadline)
         meta = StoreTransferMetadata(tuple(loads), tuple(saves), async_loads, async_save, prefetches, drops)
         return replace(meta, load_cancels=cancels) if cancels else meta
