@@ -16,7 +16,9 @@ finished receiving). With ``scheduler.load_deadline`` on, one still running past
   (``delay_free``) until then, so no byte can land in a block vLLM has given back.
 
 On a device cache a chunk is copied from staging on a side stream; those loads are not cancelled (they run to their
-end, as without the rule). A load that finished just as its cancel reached the worker loads whole and is counted.
+end, as without the rule). A load that finished just as its cancel reached the worker loads whole and is counted. A
+request preempted after its cancel while the store call is still stuck waits for it (the worker waits for every job
+of a preempted request, its saves included).
 """
 
 from __future__ import annotations
