@@ -234,9 +234,11 @@ def test_a_skipped_lookup_asks_no_store_and_a_refused_hit_is_not_offered() -> No
     assert sched.get_num_new_matched_tokens(PROMPT, 0) == (0, False)
     assert store.lookups == asked and sched.stats.lookups_skipped == 1 and sched.stats.lookups == 0
     sched.deadline.model.round_trip(1e-6, replace=True)
+    sched.deadline.joining = 0  # the next requests are alone in their step (a skipped one's recompute joins them)
     sched.deadline.model.throughput.add(4 * sched._block_bytes / 0.017)  # 4 blocks in 17 ms
     assert sched.get_num_new_matched_tokens(request(range(18), rid="s"), 0) == (0, False)  # asked: 17 ms < 18 ms
     assert sched.stats.deadline_refused == 1 and store.lookups == asked + 1  # not offered: 17 ms > 16 ms
+    sched.deadline.joining = 0
     sched.deadline.model.throughput.add(1e3, replace=True)  # 1 kB/s: even a whole hit costs more than recompute
     assert sched.get_num_new_matched_tokens(request(range(18), rid="t"), 0) == (0, False)
     assert sched.stats.lookups_skipped == 2 and store.lookups == asked + 1

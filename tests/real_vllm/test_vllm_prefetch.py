@@ -236,3 +236,24 @@ def test_a_stalled_store_past_the_load_deadline_is_recomputed_with_the_tokens_of
     recomputed = scheduler["deadline_recomputes"]
     assert recomputed >= 1
     assert worker["loaded_blocks"] == 3 * (4 - recomputed)  # an abandoned prefetch loads nothing
+
+
+def test_background_loads_of_a_stalled_store_past_the_load_deadline_are_cancelled_with_the_tokens_of_no_connector(
+    slow_store: dict[str, Any], base_spec: dict[str, Any]
+) -> None:
+    """The same, with ``transfer.async_load=on``: the 4 hits load in the background, already holding their KV blocks
+    (vLLM parks their requests); past the deadline each is cancelled (counted), reported finished receiving with its
+    blocks failed, and vLLM recomputes it: greedy tokens equal no connector's, the cancelled loads' bytes never land
+    (``loaded_blocks`` counts only the loads that finished). Its misses are prompts no test of the module stores
+    (the one above saves the module's prompts into the store)."""
+    misses = make_prompts(4, 100, seed=77)
+    spec = {**base_spec, "prompts": misses + MANY[:4]}
+    stats = slow_store["work"] / "stats-deadline-background"
+    kv = _slow_kv(slow_store["store"], stats, "on", scheduler__load_deadline=True)
+    result = run_engine(slow_store["work"], "deadline-background", {**spec, "kv": kv}, env=IN_PROCESS)
+
+    assert result["rounds"][0]["tokens"][4:] == slow_store["tokens"][:4]
+    scheduler, worker = read_stats(stats, "scheduler"), read_stats(stats, "worker")
+    recomputed = scheduler["deadline_recomputes"]
+    assert recomputed >= 1
+    assert worker["loaded_blocks"] == 3 * (4 - recomputed)

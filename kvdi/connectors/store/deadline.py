@@ -16,8 +16,14 @@ moving averages; the round trip is the median of recent samples, which a jittere
 move (a rise is believed at once only from an overrun, or once it persists: :class:`RoundTrips`). Each sample is
 clamped to bounds. :class:`DeadlineRule` applies the rule, with ``margin`` = ``scheduler.load_deadline_margin``:
 
+- recomputing a request costs the engine step it joins, not its tokens alone: a request the rule sends to compute
+  joins the others it sent to compute in the same step (:attr:`DeadlineRule.joining`, their tokens, reset each
+  step), so four requests arriving together are judged on one, two, three and four prompts' recompute (judged one
+  by one, each on its own prompt, all four were skipped at 5 ms, or at 0 ms on a fast engine, and recomputed in one
+  step four prompts long, slower than loading them at once);
 - a lookup whose expected round trip, plus the expected load of a whole hit (once the throughput is measured),
-  costs more than ``margin`` x recomputing the request's uncached prompt is not made: the answer is 0 at once
+  costs more than ``margin`` x recomputing the request's uncached prompt (and the step's joining tokens) is not
+  made: the answer is 0 at once
   (``lookups_skipped``); while lookups are skipped a probe (one lookup of a key no store holds) runs in the
   background at most every :data:`PROBE_INTERVAL_S`, so a store that recovers is used again;
 - a hit whose expected load (a round trip and its bytes at the throughput) costs more than ``margin`` x
@@ -25,7 +31,11 @@ clamped to bounds. :class:`DeadlineRule` applies the rule, with ``margin`` = ``s
 - a prefetch (or a background lookup) still running ``deadline_s`` after it was asked for is abandoned:
   ``margin`` x recomputing, or :data:`OUTLIER` x what it was expected to take if that is sooner (a store
   that turned slow costs a few expected round trips, not a recompute; expected at the slow end of recent round
-  trips, so a jittered store's usual outliers are not overruns), at least :data:`MIN_DEADLINE_S`;
+  trips, so a jittered store's usual outliers are not overruns), at least :data:`MIN_DEADLINE_S`, and never
+  shorter than the store's usual slow end (:meth:`DeadlineRule.slow_end_s`: the slow end of recent round trips
+  plus the bytes at the throughput), itself at most ``margin + 1`` x recomputing (a wait past the budget costs a
+  request at most one recompute more; before, a jittered store's usual slow prefetch was abandoned at the budget
+  and recomputed, paying both);
   the request computes, the late bytes land in host staging that is dropped, never in a KV block
   (``deadline_recomputes``), and the round trip estimate rises to at least the time it ran, so the next
   lookups are skipped until the store answers faster (a probe).
@@ -39,6 +49,9 @@ a remote store) starts a background thread that probes the store at once and aga
 sampled for :data:`REFRESH_S` (the same probe, never on the scheduler's thread), so the first requests of an engine,
 or the first after an idle spell in which the store turned slow, are judged on a fresh round trip instead of
 paying for an overrun to learn it. Under traffic the lookups themselves are the samples and it stays quiet.
+
+A background load already writing into KV blocks (``transfer.async_load``) has the same deadline as a prefetch of
+its bytes; past it, it is cancelled safely (:mod:`.deadline_loads`) and counted the same way.
 
 A stalled store: once a wait overran (:meth:`DeadlineRule.overran`) and until the store answers anything again (a
 lookup, a prefetch's report, a probe), the store is *suspect*: every other lookup or prefetch still waiting on it
@@ -119,6 +132,7 @@ class DeadlineRule:
         self._probe_at = -PROBE_INTERVAL_S
         self._probing = False
         self._probes = 0  # probes answered, counted into ``stats`` on the scheduler's thread (:meth:`step`)
+        self.joining = 0  # tokens this step's requests recompute by the rule's answers: a recompute joins them
         self._lock = threading.Lock()
         self._sampled_at = float("-inf")  # when the store last answered (a round trip or a load sampled)
         self.suspect = False  # a wait overran and the store has not answered since: in-flight waits are abandoned
@@ -131,6 +145,7 @@ class DeadlineRule:
     def step(self, tokens: int) -> None:
         """An engine step scheduled ``tokens`` (the prefill rate's sample); probes answered since are counted."""
         self.model.step(tokens)
+        self.joining = 0
         with self._lock:
             probes, self._probes = self._probes, 0
         self.stats.deadline_probes += probes
@@ -164,13 +179,14 @@ class DeadlineRule:
         """True when a lookup's expected round trip, plus the expected load of its best hit (``loadable_bytes``, once
         the throughput is measured), costs more than recomputing ``uncached_tokens``: even a whole hit cannot pay
         off (counted, and a background probe of the round trip is started when one is due)."""
-        budget = self.budget_s(uncached_tokens) if self.enabled else None
+        budget = self.budget_s(uncached_tokens + self.joining) if self.enabled else None
         rtt = self.model.rtt.value
         load = self.model.load_s(loadable_bytes) if loadable_bytes > 0 else None
         expected = None if rtt is None else rtt + (load or 0.0)
         if budget is None or expected is None or expected <= budget:
             return False
         self.stats.lookups_skipped += 1
+        self.joining += uncached_tokens
         logger.debug("kv connector %r: lookup skipped, %d tokens recompute: round trip and best load %.2f ms > budget "
                      "%.2f ms (%s)", self.name, uncached_tokens, expected * 1e3, budget * 1e3,
                      self.model.describe())  # fmt: skip
@@ -180,11 +196,12 @@ class DeadlineRule:
     def offer(self, hit_tokens: int, hit_bytes: int) -> bool:
         """False (counted) when loading a hit of ``hit_tokens`` (``hit_bytes``) is expected to cost more than
         recomputing it; True otherwise, and while the estimates are not measured."""
-        budget = self.budget_s(hit_tokens) if self.enabled else None
+        budget = self.budget_s(hit_tokens + self.joining) if self.enabled else None
         load = self.model.load_s(hit_bytes)
         if budget is None or load is None or load <= budget:
             return True
         self.stats.deadline_refused += 1
+        self.joining += hit_tokens
         logger.debug("kv connector %r: hit of %d tokens not offered: load %.2f ms > budget %.2f ms (%s)",
                      self.name, hit_tokens, load * 1e3, budget * 1e3, self.model.describe())  # fmt: skip
         return False
@@ -197,10 +214,22 @@ class DeadlineRule:
             return float("inf")
         if self.suspect:
             return 0.0  # another wait on this store overran and it has not answered since: stop waiting now
+        deadline, slow_end = budget, self.slow_end_s(tokens, nbytes)
+        if slow_end is not None:
+            deadline = max(min(budget, OUTLIER * slow_end), slow_end)
+        return max(deadline, MIN_DEADLINE_S)
+
+    def slow_end_s(self, tokens: int, nbytes: int | None = None) -> float | None:
+        """How long a background lookup (``nbytes`` None) or a load of ``nbytes`` takes at the store's usual slow
+        end (the slow end of recent round trips, :attr:`~.deadline_estimates.RoundTrips.tail`, plus the bytes at the
+        throughput), at most the budget plus one more recompute of ``tokens``: no deadline is shorter (a wait that
+        long is the store's usual, not an overrun; abandoning it costs the wait and a recompute), and waiting past
+        the budget costs a request at most one recompute more. None until measured."""
         expected = self.model.rtt.tail if nbytes is None else self.model.load_s(nbytes, tail=True)
-        if expected is not None:
-            budget = min(budget, OUTLIER * expected)
-        return max(budget, MIN_DEADLINE_S)
+        recompute = self.model.recompute_s(tokens)
+        if expected is None or recompute is None:
+            return expected
+        return min(expected, (self.margin + 1.0) * recompute)
 
     def overran(self, what: str, tokens: int, elapsed_s: float) -> None:
         """A prefetch or lookup ran past its deadline and was abandoned: counted, and the round trip is at least

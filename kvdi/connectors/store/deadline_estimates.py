@@ -1,7 +1,9 @@
 """The load deadline's running estimates (:mod:`.deadline`): a store's round trip and throughput, an engine's prefill
 rate, each from kvdi's own measurements.
 
-The throughput and the prefill rate are exponentially weighted moving averages (:class:`Ewma`). The round trip is a
+The prefill rate is an exponentially weighted moving average (:class:`Ewma`); the throughput the median of recent
+samples (:class:`Rates`: a prefetch delayed by a jittered round trip is a slow sample an average believed, and the
+next lookups were skipped even with the store 0 ms away). The round trip is a
 robust estimate (:class:`RoundTrips`) because the rule acts on it at once (a lookup skipped, a hit refused): a store
 with heavy jitter answers one round trip in ten several times slower than usual, and an average that believes such a
 sample (the previous rule weighed a rise 0.6) turns a jittered store into a "slow" one for the next requests, whose
@@ -13,7 +15,8 @@ lookups and hits would have paid off. So:
   samples when it is sustained: :data:`SHIFT_SAMPLES` samples in a row beyond :data:`SHIFT` x the median of the ones
   before them (a store that moved, slower or faster) restart the window from them;
 - a deadline (how long a lookup or a load may run before it is abandoned) is measured from the slow end of recent
-  round trips (:attr:`RoundTrips.tail`), not the median: a jittered store's usual outlier is not an overrun;
+  round trips (:attr:`RoundTrips.tail`: the slowest of the last :data:`TAIL_WINDOW`, kept when the median's
+  window restarts), not the median: a jittered store's usual outlier is not an overrun;
 - the prober (:meth:`.deadline.DeadlineRule.probe`) asks again at once while its sample is beyond :data:`SHIFT` x
   the estimate (:attr:`RoundTrips.unsettled`), so an idle engine believes a store that moved within a few round
   trips, and a jittered probe's outlier is outvoted by the next ones.
@@ -27,10 +30,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 ALPHA = 0.2
-"""Weight of a new sample in the throughput and prefill estimates."""
+"""Weight of a new sample in the prefill estimate."""
 
 RTT_WINDOW = 9
 """Round-trip samples the median is taken over."""
+
+TAIL_WINDOW = 32
+"""Round-trip samples the slow end (:attr:`RoundTrips.tail`, a deadline's measure: the slowest of them) is taken over:
+enough that a jittered store's usual outliers (one round trip in five, say) are in it whatever the last few were."""
+
+LOAD_WINDOW = 9
+"""Throughput samples the load throughput's median is taken over."""
 
 SHIFT = 2.0
 """A round-trip sample beyond this factor of the estimate (either way) is an outlier unless it persists."""
@@ -68,6 +78,32 @@ class Ewma:
         return self.value
 
 
+class Rates:
+    """A store's load throughput: the median of the last :data:`LOAD_WINDOW` samples, each clamped to
+    ``[low, high]`` (``value`` None until the first). A prefetch whose round trip was one of a jittered store's
+    outliers is a slow sample (its extra wait is taken for bytes); an average believed it, and the next lookups'
+    whole-hit loads looked dearer than recomputing them (skipped even at 0 ms); a median does not move for it."""
+
+    def __init__(self, low: float, high: float) -> None:
+        self.low, self.high = low, high
+        self.recent: tuple[float, ...] = ()
+        self.samples = 0
+
+    @property
+    def value(self) -> float | None:
+        recent = self.recent
+        return statistics.median(recent) if recent else None
+
+    def add(self, sample: float, replace: bool = False) -> float:
+        """Fold ``sample`` in (``replace``: the estimate becomes the sample); the new estimate."""
+        clamped = min(max(float(sample), self.low), self.high)
+        self.recent = (clamped,) if replace else (*self.recent, clamped)[-LOAD_WINDOW:]
+        self.samples += 1
+        value = self.value
+        assert value is not None
+        return value
+
+
 class RoundTrips:
     """A store's round trip: the median of recent samples, at least the longest unanswered wait since the store last
     answered faster (see the module's docstring); ``value`` None until a sample or an overrun."""
@@ -75,6 +111,7 @@ class RoundTrips:
     def __init__(self, low: float = RTT_BOUNDS[0], high: float = RTT_BOUNDS[1]) -> None:
         self.low, self.high = low, high
         self.recent: tuple[float, ...] = ()  # the window, replaced whole: readers on other threads see one or the other
+        self.history: tuple[float, ...] = ()  # the last TAIL_WINDOW samples (the slow end's)
         self.floor: float | None = None  # set by an overrun, cleared by an answer faster than it
         self.samples = 0
 
@@ -88,14 +125,15 @@ class RoundTrips:
 
     @property
     def tail(self) -> float | None:
-        """The slow end of recent round trips (the second slowest in the window, the slowest of fewer than 3), at
-        least the estimate: how long a lookup may run on this store, jitter included, without it having turned slow
-        (a deadline's measure; a jittered store's outliers are its usual tail, not a stall)."""
-        value, recent = self.value, self.recent
-        if value is None or not recent:
+        """The slow end of recent round trips (the slowest of the last :data:`TAIL_WINDOW`), at least the estimate:
+        how long a lookup may run on this store, jitter included, without it having turned slow (a deadline's
+        measure; a jittered store's outliers are its usual tail, not a stall). A stall's lone answer (a probe that
+        waited it out) lifts it for the next samples; what a deadline takes from it is bounded by the cost of
+        recomputing (:meth:`.deadline.DeadlineRule.slow_end_s`)."""
+        value, history = self.value, self.history
+        if value is None or not history:
             return value
-        ordered = sorted(recent)
-        return max(value, ordered[-2] if len(ordered) >= 3 else ordered[-1])
+        return max(value, max(history))
 
     @property
     def unsettled(self) -> bool:
@@ -107,17 +145,18 @@ class RoundTrips:
         """Fold ``sample`` in (``replace``: the estimate becomes the sample); the new estimate."""
         clamped = min(max(float(sample), self.low), self.high)
         if replace:
-            self.recent, self.floor = (), None
+            self.recent, self.history, self.floor = (), (), None
         if self.floor is not None and clamped < self.floor:
             self.floor = None  # the store answered faster than the wait that overran: believed at once
         window = (*self.recent, clamped)[-RTT_WINDOW:]
+        history = (*self.history, clamped)[-TAIL_WINDOW:]
         self.samples += 1
         if len(window) > SHIFT_SAMPLES:
             before = statistics.median(window[:-SHIFT_SAMPLES])
             last = window[-SHIFT_SAMPLES:]
             if all(s > SHIFT * before for s in last) or all(s * SHIFT < before for s in last):
-                window = last  # sustained: the store moved
-        self.recent = window
+                window = last  # sustained: the store moved (its slow end keeps the history: a jittered store shifts)
+        self.recent, self.history = window, history
         value = self.value
         assert value is not None
         return value
@@ -140,7 +179,7 @@ class CostModel:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.rtt = RoundTrips(*RTT_BOUNDS)
-        self.throughput = Ewma(*THROUGHPUT_BOUNDS)
+        self.throughput = Rates(*THROUGHPUT_BOUNDS)
         self.prefill = Ewma(*PREFILL_BOUNDS)
         self._step_at: float | None = None
         self._step_tokens = 0
@@ -187,4 +226,16 @@ class CostModel:
         )
 
 
-__all__ = ["MAX_STEP_S", "MIN_STEP_TOKENS", "RTT_WINDOW", "SHIFT", "SHIFT_SAMPLES", "CostModel", "Ewma", "RoundTrips"]
+__all__ = [
+    "LOAD_WINDOW",
+    "MAX_STEP_S",
+    "MIN_STEP_TOKENS",
+    "RTT_WINDOW",
+    "SHIFT",
+    "SHIFT_SAMPLES",
+    "TAIL_WINDOW",
+    "CostModel",
+    "Ewma",
+    "Rates",
+    "RoundTrips",
+]

@@ -62,6 +62,12 @@ class _Planned:
     started: float = field(default_factory=time.monotonic)
 
 
+PREFETCH_THREADS = 8
+"""Prefetches a worker half runs at once (one request each, waiting on the network with the GIL released). A step's
+arrivals prefetch together: with 2 threads the third and fourth requests of a step waited a whole round trip behind
+the first two, and at 50 ms each way ran past the deadline that expects one round trip (the ``50`` row of
+``bench_remote.py --rows``: 2 of 4 prefetches abandoned after 242 ms, then recomputed)."""
+
 REPORT_GRACE_S = 1.0
 """How much longer than the worker's deadline the scheduler side waits for a prefetch's report."""
 
@@ -178,7 +184,13 @@ class HostStaging:
     """Worker side: prefetched framed objects in host memory, by request, at most ``max_bytes`` in all."""
 
     def __init__(
-        self, store: BlockStore, max_bytes: int, frame_bytes: int, name: str, threads: int = 2, timeout_s: float = 10.0
+        self,
+        store: BlockStore,
+        max_bytes: int,
+        frame_bytes: int,
+        name: str,
+        threads: int = PREFETCH_THREADS,
+        timeout_s: float = 10.0,
     ) -> None:
         self.store = store
         self.timeout_s = timeout_s
@@ -374,4 +386,4 @@ def lookup_round_trip(store: BlockStore, tries: int = 5) -> float | None:
     return min(times)
 
 
-__all__ = ["ASK_AGAIN", "HostStaging", "PrefetchPlanner", "StagedReader", "lookup_round_trip"]
+__all__ = ["ASK_AGAIN", "PREFETCH_THREADS", "HostStaging", "PrefetchPlanner", "StagedReader", "lookup_round_trip"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvdi.connectors.base import (
     BlockTransfer,
@@ -33,6 +33,7 @@ from kvdi.connectors.base import (
 )
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.store.deadline import MIN_STEP_TOKENS, DeadlineRule, DeadlineStats
+from kvdi.connectors.store.deadline_loads import LoadDeadlines
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.keys import block_keys
 from kvdi.connectors.store.load_policy import ASYNC_LOAD_MIN_BYTES, AUTO_PREFETCH_LOOKUP_S, LoadPolicy
@@ -52,6 +53,7 @@ class StoreTransferMetadata(BlockTransferMetadata):
     async_save: bool = False
     prefetches: tuple[BlockTransfer, ...] = ()  # keys to fetch into host staging (:mod:`.prefetch`)
     prefetch_drops: tuple[str, ...] = ()  # requests whose staging is of no more use
+    load_cancels: tuple[str, ...] = ()  # background loads past their deadline: abandoned (:mod:`.deadline_loads`)
 
 
 _NOTHING = (StoreTransferMetadata(), StoreTransferMetadata(async_save=True))  # a step that moves nothing, by async_save
@@ -78,6 +80,7 @@ class StoreSchedulerConnector(SchedulerConnector):
         self.deadline = DeadlineRule(self.store, self.name, self.stats, enabled=scheduler.load_deadline,
                                      margin=scheduler.load_deadline_margin)  # fmt: skip
         self._recompute: set[str] = set()  # requests whose prefetch overran its deadline: they compute
+        self.load_deadlines = LoadDeadlines(self._block_size, self._block_bytes)  # background loads' deadlines
         # The next plan has work (a lookup, an allocation or a finished request since the last plan, or the last
         # step's prefill sample to close): while False, a step that schedules and finishes nothing plans nothing.
         self.due = True
@@ -259,7 +262,7 @@ class StoreSchedulerConnector(SchedulerConnector):
     def build_connector_meta(self, output: SchedulerOutput) -> KVConnectorMetadata:
         """The step's loads, saves and prefetches; a step that schedules and finishes nothing after nothing new
         (see the module docstring) answers the shared empty metadata without planning."""
-        if not (output.scheduled or output.finished_req_ids or self.due):
+        if not (output.scheduled or output.finished_req_ids or self.due or self.load_deadlines.running):
             if self.deadline.enabled:
                 self.deadline.step(0)  # counts the rule's probes
             return _NOTHING[self._transfer.async_save]
@@ -276,6 +279,7 @@ class StoreSchedulerConnector(SchedulerConnector):
         for sched in output.scheduled:
             plan = self._plan(sched.request)
             rid = sched.request.request_id
+            self.load_deadlines.done(rid)  # scheduled: its background load, if any, ended
             if plan.load_accepted:
                 end = min(plan.load_end, len(sched.block_ids))
                 if end > plan.load_start:
@@ -296,13 +300,18 @@ class StoreSchedulerConnector(SchedulerConnector):
         for rid in output.finished_req_ids:
             self._plans.pop(rid, None)
             self._recompute.discard(rid)
+            self.load_deadlines.done(rid)
         tokens = sum(s.num_scheduled_tokens for s in output.scheduled)
         self.deadline.step(tokens)  # the prefill rate's sample
         self.due = tokens >= MIN_STEP_TOKENS  # a prefill sample: the next step's plan closes it
         if self.lookups is not None:
             self.lookups.flush()  # the step's queued lookups, in one background round trip
         prefetches, drops = self.prefetch.take() if self.prefetch is not None else ((), ())
-        return StoreTransferMetadata(tuple(loads), tuple(saves), async_loads, async_save, prefetches, drops)
+        cancels = self.load_deadlines.due(self.deadline)  # before this step's loads: a load gets its whole deadline
+        self._recompute.update(cancels)  # asked again once vLLM takes its blocks back: it computes
+        self.load_deadlines.sent(async_loads, self.deadline)
+        meta = StoreTransferMetadata(tuple(loads), tuple(saves), async_loads, async_save, prefetches, drops)
+        return replace(meta, load_cancels=cancels) if cancels else meta
 
     def shutdown(self) -> None:
         self.deadline.stop()

@@ -31,6 +31,7 @@ from kvdi.connectors.base import (
 )
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.store.codec import read_capabilities
+from kvdi.connectors.store.deadline_loads import HostReads, LoadCancels, LoadGuard, failed_chunk, placed
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.integrity import frame_key
 from kvdi.connectors.store.prefetch import HostStaging
@@ -38,7 +39,8 @@ from kvdi.connectors.store.protocol import require_store
 from kvdi.connectors.store.reads import Readahead, ReadChunk, place_frame, read_chunk, verify_chunk
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.connectors.store.transfer_queue import Outcome, TransferQueue, add_stats
-from kvdi.connectors.store.worker_prefetch import WorkerPrefetch
+from kvdi.connectors.store.worker_prefetch import STAGED, WorkerPrefetch
+from kvdi.connectors.store.worker_reads import load_one_by_one
 from kvdi.connectors.store.writes import BlockWriter, save_batch_blocks
 
 if TYPE_CHECKING:
@@ -83,6 +85,7 @@ class StoreWorkerConnector(WorkerConnector):
         self._writer = BlockWriter(self.store, self._fingerprint, self._key, layout.block_bytes, self._log_once)
         self.staging = HostStaging.of(self.store, transfer, self._frame_bytes, self.name)  # :mod:`.prefetch`
         self.prefetching = WorkerPrefetch(self.store, self.capabilities, self.staging, self.stats)
+        self.cancels = LoadCancels(context.settings.scheduler.load_deadline)  # :mod:`.deadline_loads`
         self._async_save = transfer.async_save
         self._held: set[str] = set()  # requests with asynchronous transfers: reported when finished and done
         self._finishing: set[str] = set()
@@ -170,6 +173,7 @@ class StoreWorkerConnector(WorkerConnector):
             self._held.update(t.request_id for t in metadata.async_loads)
             self.prefetching.apply(metadata.prefetches, metadata.prefetch_drops)
             self.prefetch_reports_due |= bool(metadata.prefetches or metadata.prefetch_drops)
+            self._received.update(self.cancels.cancel_all(metadata.load_cancels, self.report_load_error))
         if isinstance(metadata, BlockTransferMetadata) and self._async_save:
             self._held.update(t.request_id for t in metadata.saves)
 
@@ -180,7 +184,7 @@ class StoreWorkerConnector(WorkerConnector):
         self.gauge_epoch += bool(outcomes)
         for out in outcomes:
             add_stats(self.stats, out.stats)
-            if out.is_load:
+            if out.is_load and not self.cancels.taken(out.request_id):  # a cancelled load was reported at its cancel
                 self.report_load_error(out.failed_blocks)
                 if out.request_id not in self._finishing:
                     self._received.add(out.request_id)
@@ -231,29 +235,44 @@ class StoreWorkerConnector(WorkerConnector):
             fence = ios.io.fence()  # CUDA: the jobs' copies follow the compute queued so far
             fetch = self._background(ios.io, fetch=True)  # made here: job threads never race to make it
             for transfer in meta.async_loads:
-                job = partial(self._load_job, ios, transfer, fence, fetch)
+                guard = self.cancels.open(transfer) if ios.io.direct else None  # a device cache's: not cancelled
+                job = partial(self._load_job, ios, transfer, fence, fetch, guard)
                 self._queue.submit_load(transfer.request_id, transfer.block_ids, job)
 
     def _load_job(
-        self, ios: CacheIOs, transfer: BlockTransfer, fence: object = None, fetch: ThreadPoolExecutor | None = None
+        self,
+        ios: CacheIOs,
+        transfer: BlockTransfer,
+        fence: object = None,
+        fetch: ThreadPoolExecutor | None = None,
+        guard: LoadGuard | None = None,
     ) -> Outcome:
         io = ios.take()
         out = Outcome(transfer.request_id, True)
         try:
             with io.on_side_stream(fence):  # CUDA: a side stream after ``fence``; each chunk waits on its event
-                out.failed_blocks = tuple(self._load_request(io, transfer, out.stats, fetch if io.direct else None))
+                ahead = fetch if io.direct else None
+                out.failed_blocks = tuple(self._load_request(io, transfer, out.stats, ahead, guard))
         finally:
             ios.give_back(io)
+            self.cancels.close(transfer.request_id, guard)
         return out
 
     def _load_request(
-        self, io: CacheIO, transfer: BlockTransfer, stats: ConnectorStats, executor: ThreadPoolExecutor | None
+        self,
+        io: CacheIO,
+        transfer: BlockTransfer,
+        stats: ConnectorStats,
+        executor: ThreadPoolExecutor | None,
+        guard: LoadGuard | None = None,
     ) -> Sequence[int]:
-        """Load one request's blocks chunk by chunk; return the block ids not loaded (from the first bad one on)."""
+        """Load one request's blocks chunk by chunk; return the block ids not loaded (from the first bad one on).
+        With a ``guard`` (a cancellable load) objects land in host buffers, placed chunk by chunk under its lock."""
         ids, keys = transfer.block_ids, transfer.block_keys
         n = self._blocks_per_call(io)
         spans = [(s, min(s + n, len(ids))) for s in range(0, len(ids), n)]
         store, caps = self.prefetching.source(transfer.request_id)
+        store, caps = (store, caps) if guard is None else (HostReads(store), STAGED)
         read = partial(read_chunk, store, caps, self._place, io)
         readahead = Readahead(caps.prefetch, keys, self._readahead)
         ahead = executor.submit(read, ids[: spans[0][1]], keys[: spans[0][1]]) if executor and spans else None
@@ -268,10 +287,11 @@ class StoreWorkerConnector(WorkerConnector):
             io.begin()  # a device cache: the next staging slot (its copies from two chunks ago are done)
             try:
                 chunk = current.result() if current is not None else read(ids[start:end], keys[start:end])
-            except Exception:
-                good = self._load_one_by_one(io, ids[start:end], keys[start:end], stats)
+            except Exception:  # one by one (a cancellable load's chunk fails whole: no store call under its lock)
+                span = slice(start, end)
+                good = load_one_by_one(self, io, ids[span], keys[span], stats) if guard is None else failed_chunk(stats)
             else:
-                good = self._verify(io, chunk, stats)
+                good = placed(guard, partial(self._verify, io, chunk, stats))  # 0 once cancelled
             io.submit()  # queue this chunk's copies in; the next chunk's reads overlap them
             if start + good < end:
                 io.finish()
@@ -280,27 +300,6 @@ class StoreWorkerConnector(WorkerConnector):
                 return ids[start + good :]
         io.finish()
         return ()
-
-    def _load_one_by_one(self, io: CacheIO, ids: Sequence[int], keys: Sequence[bytes], stats: ConnectorStats) -> int:
-        """Read a failed chunk's objects singly; return how many leading ones are in place."""
-        for i, (bid, key) in enumerate(zip(ids, keys, strict=True)):
-            io.begin()
-            try:
-                chunk = read_chunk(self.store, self.capabilities, self._place, io, (bid,), (key,))
-            except OSError as exc:  # the medium failed (server gone, disk error): a load failure
-                stats.load_failures += 1
-                self._log_once(f"oserror:{type(exc).__name__}", "loading KV failed, recomputing: %s", exc)
-                return i
-            except Exception as exc:
-                stats.corrupt_dropped += 1
-                self._log_once(f"odd:{type(exc).__name__}", "dropping a stored block the store failed on: %r", exc)
-                self.discard(key)
-                return i
-            good = self._verify(io, chunk, stats)
-            io.finish()
-            if not good:
-                return i
-        return len(ids)
 
     def _place(self, frame: memoryview, name: bytes, pieces: Sequence[memoryview]) -> None:
         """Verify a whole frame stored under block key ``name`` and copy its payload into ``pieces``, in one pass."""
