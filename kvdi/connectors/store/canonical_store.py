@@ -11,6 +11,8 @@ Which part of the model this process holds comes from its layout: a model id end
 ``#canonical`` is the whole model; ``#canonical:L{start}+{count}/{layers}:T{rank}/{size}:H{heads}``
 (:func:`part_tag`, made by :class:`~kvdi.integrations.vllm.parallel.RankSlice`) is one TP/PP rank's
 share of a model with ``layers`` layers and ``heads`` KV heads. A layout with neither is the whole model.
+A hybrid model's attention group (``layout.group``) is sectioned as a model of the group's layers, its
+fingerprint naming the group; state-page groups are refused (:func:`refuse_group`).
 """
 
 from __future__ import annotations
