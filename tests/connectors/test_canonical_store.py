@@ -175,10 +175,10 @@ def test_a_canonical_rank_slice_names_blocks_alike_in_every_shape(tmp_path: Path
     assert all(store.inner.path_for(s.key(KEYS[1])).exists() for s in store.rank.geometry.sections())
 
 
-def test_a_hybrid_group_layout_is_refused_not_misread(tmp_path: Path) -> None:
-    grouped = KVCacheSpec("m#canonical", LAYERS, HEADS, 8, BS, "float32", group="full:16")
-    s = settings(tmp_path)
-    with pytest.raises(ConfigError, match="KV cache groups"):
+def test_a_hybrid_state_page_group_is_refused_not_misread(tmp_path: Path) -> None:
+    grouped = KVCacheSpec("m#canonical", LAYERS, HEADS, 8, BS, "float32", group="mamba:16", page_bytes=64)
+    s = settings(tmp_path)  # attention groups are sectioned: tests/connectors/test_canonical_hybrid.py
+    with pytest.raises(ConfigError, match="KV cache group 'mamba:16'"):
         open_store(s.shared_storage, grouped, s)
 
 

@@ -11,6 +11,8 @@ Which part of the model this process holds comes from its layout: a model id end
 ``#canonical`` is the whole model; ``#canonical:L{start}+{count}/{layers}:T{rank}/{size}:H{heads}``
 (:func:`part_tag`, made by :class:`~kvdi.integrations.vllm.parallel.RankSlice`) is one TP/PP rank's
 share of a model with ``layers`` layers and ``heads`` KV heads. A layout with neither is the whole model.
+A hybrid model's attention group (``layout.group``) is sectioned as a model of the group's layers, its
+fingerprint naming the group; state-page groups are refused (:func:`refuse_group`).
 """
 
 from __future__ import annotations
@@ -43,18 +45,36 @@ def part_tag(layer_start: int, layer_count: int, num_layers: int, tp_rank: int, 
     return f"{TAG}:L{layer_start}+{layer_count}/{num_layers}:T{tp_rank}/{tp_size}:H{num_kv_heads}"
 
 
+def refuse_group(layout: KVCacheSpec) -> None:
+    """Raise ConfigError, in one line naming the group, for a KV cache group canonical sections cannot hold:
+    state pages (Mamba, linear attention: no KV heads to cut) and a pipeline-parallel stage's share of a group
+    (which of the group's layers a stage holds is not in its layout)."""
+    if layout.page_bytes:
+        raise ConfigError(
+            f"format=canonical (KVDI_SHARED_STORAGE__FORMAT, KVDI_REDIS__FORMAT, KVDI_S3__FORMAT) cannot store KV "
+            f"cache group {layout.group!r}: its Mamba / linear-attention state pages have no KV heads to section; "
+            "use format per_rank for this model"
+        )
+    found = _PART.search(layout.model_id)
+    if layout.group and found is not None and found.group(1) is not None and found.group(2) != found.group(3):
+        raise ConfigError(
+            f"format=canonical cannot store KV cache group {layout.group!r} of a pipeline-parallel stage (layers "
+            f"{found.group(1)}+{found.group(2)} of {found.group(3)}); use format per_rank, or pipeline_parallel_size=1"
+        )
+
+
 def geometry_of(layout: KVCacheSpec, section_layers: int = 0, section_heads: int = 1) -> tuple[Geometry, RankPart]:
     """The model's :class:`Geometry` and this process's :class:`RankPart`, read from ``layout`` (see above).
 
-    Raises ConfigError for a hybrid model's group layout (its groups are not sectioned yet)."""
-    if layout.group or layout.page_bytes:
-        raise ConfigError(
-            f"format=canonical (KVDI_SHARED_STORAGE__FORMAT, KVDI_REDIS__FORMAT) does not store a hybrid model's "
-            f"KV cache groups yet (group {layout.group!r}); use format per_rank, or run vLLM with "
-            "--disable-hybrid-kv-cache-manager"
-        )
+    A hybrid model's attention group (``layout.group`` set, no ``page_bytes``) is sectioned like a model whose
+    layers are the group's: the geometry's model id names the group (kind, window, block size, layers), so
+    its fingerprint never lets one group's sections load into another's. Raises ConfigError for a group of
+    state pages (Mamba, linear attention: no KV heads to section) and for a PP stage's share of a group."""
+    refuse_group(layout)
     found = _PART.search(layout.model_id)
     model_id = layout.model_id[: found.start()] if found else layout.model_id
+    if layout.group:
+        model_id = f"{model_id}|group={layout.group}"
     if found is None or found.group(1) is None:
         g = Geometry(
             model_id, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype,
@@ -62,6 +82,8 @@ def geometry_of(layout: KVCacheSpec, section_layers: int = 0, section_heads: int
         )  # fmt: skip
         return g, RankPart.of(g)
     start, count, layers, rank, size, heads = (int(v) for v in found.groups())
+    if layout.group:  # a group's layers: all of the group's (TP shares them; a PP stage was refused)
+        start, count, layers = 0, layout.num_layers, layout.num_layers
     g = Geometry(
         model_id, layers, heads, layout.head_dim, layout.block_size, layout.dtype, section_layers, section_heads
     )
@@ -80,6 +102,7 @@ def canonical_object_bytes(
     """The size of every canonical section object of ``layout``'s model (the grid divides it evenly).
 
     Raises ConfigError, in one line, for a grid that does not divide the model or this rank's share."""
+    refuse_group(layout)  # its own line, before the grid's
     try:
         geometry, part = geometry_of(layout, *grid)
         write_plan(geometry, part)
@@ -265,4 +288,4 @@ def _scatter(data: bytes, pieces: Sequence[memoryview]) -> None:
         offset += piece.nbytes
 
 
-__all__ = ["TAG", "CanonicalBlockStore", "canonical_object_bytes", "geometry_of", "part_tag"]
+__all__ = ["TAG", "CanonicalBlockStore", "canonical_object_bytes", "geometry_of", "part_tag", "refuse_group"]

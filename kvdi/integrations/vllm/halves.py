@@ -22,8 +22,8 @@ from kvdi.connectors.store.protocol import BlockStore
 from kvdi.containers import KVTransferContainer
 from kvdi.errors import ConfigError
 from kvdi.integrations.vllm.block_index import BlockIndex, store_capacity_blocks
-from kvdi.integrations.vllm.groups import GroupSpec, group_layout
-from kvdi.integrations.vllm.hybrid import HybridScheduler, HybridWorker
+from kvdi.integrations.vllm.groups import GroupSpec
+from kvdi.integrations.vllm.hybrid import HybridScheduler, HybridWorker, group_layouts
 from kvdi.integrations.vllm.parallel import AllRanksStore, RankSlice
 from kvdi.integrations.vllm.requests import RequestTracker
 from kvdi.integrations.vllm.shared import SHARED
@@ -103,7 +103,7 @@ def open_hybrid(
         )
     settings = container.settings()
     engine_id = settings.engine_id
-    layouts = [group_layout(layout, g) for g in groups]
+    layouts = group_layouts(layout, groups, shape, worker)
     ids = [f"{engine_id}#group{g.index}" for g in groups]
     acquired: list[str] = []
     try:

@@ -14,7 +14,7 @@ group every load is asynchronous and a failed load is reported per request
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvdi.connectors.base import (
@@ -31,7 +31,7 @@ from kvdi.connectors.base import (
 from kvdi.connectors.store.keys import block_keys
 from kvdi.connectors.store.scheduler import StoreTransferMetadata
 from kvdi.integrations.vllm.bridge import LayoutBridge
-from kvdi.integrations.vllm.groups import GroupSpec, best_boundary, hit_unit
+from kvdi.integrations.vllm.groups import GroupSpec, best_boundary, group_layout, hit_unit
 from kvdi.integrations.vllm.layout import kvdi_layer_view
 from kvdi.integrations.vllm.parallel import KeyLookup, RankSlice
 from kvdi.integrations.vllm.requests import RequestTracker
@@ -188,6 +188,20 @@ class HybridScheduler(SchedulerConnector):
         if self._release is not None:
             self._release()
             self._release = None
+
+
+def group_layouts(
+    layout: KVCacheSpec, groups: Sequence[GroupSpec], shape: RankSlice, worker: bool
+) -> list[KVCacheSpec]:
+    """Each group's layout (:func:`~kvdi.integrations.vllm.groups.group_layout` of ``layout``).
+
+    With canonical sections (``shape.canonical``) the scheduler's layout of an attention group has the whole
+    model's KV heads, as ``layout`` has them, not vLLM's per-rank count: block keys derive from it, so every
+    TP shape names a group's blocks alike (docs/stored-format.md#hybrid-models)."""
+    layouts = [group_layout(layout, g) for g in groups]
+    if shape.canonical is None or worker:
+        return layouts
+    return [lay if lay.page_bytes else replace(lay, num_kv_heads=layout.num_kv_heads) for lay in layouts]
 
 
 def group_view(cache: Any, layout: KVCacheSpec, num_blocks: int | None) -> torch.Tensor:
@@ -354,4 +368,4 @@ class HybridWorker(WorkerConnector):
                 self._release = None
 
 
-__all__ = ["HybridMetadata", "HybridScheduler", "HybridWorker"]
+__all__ = ["HybridMetadata", "HybridScheduler", "HybridWorker", "group_layouts"]
