@@ -29,7 +29,7 @@ from kvdi.connectors.base import (
     run_transfer_step,
 )
 from kvdi.connectors.shared_storage import open_store
-from kvdi.connectors.store import StoreWorkerConnector
+from kvdi.connectors.store import BlockStore, StoreWorkerConnector
 from kvdi.connectors.store.keys import block_keys
 from kvdi.layout import KVCacheSpec
 from kvdi.settings import KvdiSettings
@@ -53,14 +53,14 @@ class Cost:
         return self.canonical / self.per_rank
 
 
-def _worker(root: Path, fmt: str, blocks: int, heads: int) -> StoreWorkerConnector:
+def _worker(root: Path, fmt: str, blocks: int, heads: int) -> tuple[StoreWorkerConnector, BlockStore]:
     options = {"path": str(root), "format": fmt, "section_heads": heads}
     s = KvdiSettings(kv_role="kv_both", engine_id="bench", shared_storage=options)
     store = open_store(s.shared_storage, LAYOUT, s)
     half = StoreWorkerConnector(ConnectorContext("shared_storage", KVConnectorRole.WORKER, s, LAYOUT, None, store))
     shape = (2 * blocks, *LAYOUT.block_shape)
     half.register_kv_caches({n: torch.randn(shape) for n in LAYOUT.layer_names})
-    return half
+    return half, store
 
 
 def _timed(half: StoreWorkerConnector, keys: tuple[bytes, ...], save: bool) -> float:
@@ -77,23 +77,39 @@ def _timed(half: StoreWorkerConnector, keys: tuple[bytes, ...], save: bool) -> f
     return took
 
 
+def _keys(blocks: int, round_: int) -> tuple[bytes, ...]:
+    """``blocks`` block keys of their own for save round ``round_`` (fresh blocks, never stored before)."""
+    first = round_ * blocks * LAYOUT.block_size
+    return tuple(block_keys(list(range(first, first + blocks * LAYOUT.block_size)), LAYOUT))
+
+
 def measure(rounds: int = 6, blocks: int = 32, heads: int = 1) -> list[Cost]:
-    """Save then load ``blocks`` blocks ``rounds`` times on each side, alternated; the save and load costs."""
+    """Save then load ``blocks`` blocks ``rounds`` times on each side, alternated; the save and load costs.
+
+    Each save round stores blocks never stored before, on both sides (what the scheduler saves: blocks the
+    store lacks; the last round's are removed first, untimed, so the folders stay small); each load round
+    loads the last round's blocks."""
     torch.set_num_threads(1)
-    keys = tuple(block_keys(list(range(blocks * LAYOUT.block_size)), LAYOUT))
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        halves = {f: _worker(Path(tmp) / f, f, blocks, heads) for f in ("per_rank", "canonical")}
+        sides = {f: _worker(Path(tmp) / f, f, blocks, heads) for f in ("per_rank", "canonical")}
+        keys = _keys(blocks, 0)
         for op, save in (("save", True), ("load", False)):
-            times: dict[str, list[float]] = {f: [] for f in halves}
+            times: dict[str, list[float]] = {f: [] for f in sides}
             for r in range(rounds):
-                order = list(halves) if r % 4 in (0, 3) else list(halves)[::-1]  # ABBA BAAB
+                order = list(sides) if r % 4 in (0, 3) else list(sides)[::-1]  # ABBA BAAB
+                fresh = _keys(blocks, r + 1) if save else keys
                 for f in order:
-                    times[f].append(_timed(halves[f], keys, save))
+                    half, store = sides[f]
+                    if save:
+                        for key in keys:
+                            store.discard(key)
+                    times[f].append(_timed(half, fresh, save))
+                keys = fresh
             ratios = tuple(c / p for c, p in zip(times["canonical"], times["per_rank"], strict=True))
             med = {f: statistics.median(t) for f, t in times.items()}
             out.append(Cost(op, heads, med["per_rank"], med["canonical"], ratios))
-        for half in halves.values():
+        for half, _ in sides.values():
             half.shutdown()
     return out
 
