@@ -1,14 +1,17 @@
-"""shared_storage publishes each canonical section once (as S3 does); per-rank frames are rewritten as before."""
+"""shared_storage publishes each canonical section once (as S3 does); per-rank frames are rewritten as before.
+A canonical save hashes each byte once (the sections' checksums), not once more for a per-rank frame header."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from kvdi.connectors.base import ConnectorContext, KVConnectorRole
 from kvdi.connectors.shared_storage import FileBlockStore, open_store
-from kvdi.connectors.store import StoreWorkerConnector
+from kvdi.connectors.store import StoreWorkerConnector, writes
 from kvdi.connectors.store.canonical import Section
 from kvdi.connectors.store.canonical_store import CanonicalBlockStore
 from kvdi.layout import KVCacheSpec
@@ -88,3 +91,19 @@ def test_a_bad_section_is_dropped_by_its_reader_and_the_next_save_writes_it(tmp_
     assert not path.exists()  # dropped by the reader
     step(worker(tmp_path, "canonical", seed=1), (0, 1, 2, 3), save=True)
     assert step(worker(tmp_path, "canonical", seed=4), (4, 5, 6, 7), save=False) == set()
+
+
+def test_a_canonical_save_frames_sections_only_not_the_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    framed: list[bytes] = []
+    real = writes.frame_header
+
+    def counted(*args: Any, **kwargs: Any) -> bytes:
+        framed.append(kwargs["name"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writes, "frame_header", counted)
+    assert step(worker(tmp_path / "c", "canonical", seed=1), (0, 1, 2, 3), save=True) == set()
+    assert framed == []  # the sections carry their own checksums: no pass over the block for a frame header
+    assert step(worker(tmp_path / "c", "canonical", seed=2), (4, 5, 6, 7), save=False) == set()
+    assert step(worker(tmp_path / "p", "per_rank", seed=1), (0, 1, 2, 3), save=True) == set()
+    assert framed == list(KEYS)  # per-rank frames: one header a block, as before
