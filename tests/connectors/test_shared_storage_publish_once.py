@@ -3,6 +3,7 @@ A canonical save hashes each byte once (the sections' checksums), not once more 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,12 @@ SECTION = Section(0, LAYERS, 1, 1)  # head 1 of every layer
 CACHES: dict[StoreWorkerConnector, dict[str, torch.Tensor]] = {}
 
 
-def worker(root: Path, fmt: str, seed: int, layout: KVCacheSpec = WHOLE) -> StoreWorkerConnector:
+def worker(
+    root: Path, fmt: str, seed: int, layout: KVCacheSpec = WHOLE, max_bytes: int | None = None
+) -> StoreWorkerConnector:
     """A worker half of its own (a new engine: nothing saved yet) over the store at ``root``."""
-    s = KvdiSettings(kv_role="kv_both", engine_id="t", shared_storage={"path": str(root), "format": fmt})
+    options = {"path": str(root), "format": fmt, "max_bytes": max_bytes}
+    s = KvdiSettings(kv_role="kv_both", engine_id="t", shared_storage=options)
     store = open_store(s.shared_storage, layout, s)
     half = StoreWorkerConnector(ConnectorContext("shared_storage", KVConnectorRole.WORKER, s, layout, None, store))
     CACHES[half] = make_caches(layout, 16, seed)
@@ -107,3 +111,14 @@ def test_a_canonical_save_frames_sections_only_not_the_block(tmp_path: Path, mon
     assert step(worker(tmp_path / "c", "canonical", seed=2), (4, 5, 6, 7), save=False) == set()
     assert step(worker(tmp_path / "p", "per_rank", seed=1), (0, 1, 2, 3), save=True) == set()
     assert framed == list(KEYS)  # per-rank frames: one header a block, as before
+
+
+def test_a_kept_section_is_touched_under_a_size_cap_so_a_hot_prefix_is_evicted_last(tmp_path: Path) -> None:
+    step(worker(tmp_path, "canonical", seed=1, max_bytes=1 << 30), (0, 1, 2, 3), save=True)
+    path = section_path(worker(tmp_path, "canonical", seed=1), 2)
+    os.utime(path, ns=(10**9, 10**9))  # long ago
+    inode = path.stat().st_ino
+    step(worker(tmp_path, "canonical", seed=2), (0, 1, 2, 3), save=True)  # no cap: kept, not touched
+    assert path.stat().st_mtime_ns == 10**9
+    step(worker(tmp_path, "canonical", seed=2, max_bytes=1 << 30), (0, 1, 2, 3), save=True)
+    assert path.stat().st_mtime_ns > 10**9 and path.stat().st_ino == inode  # kept and touched
