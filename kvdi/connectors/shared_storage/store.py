@@ -225,10 +225,9 @@ class FileBlockStore:
         """Publish each object atomically; returns how many were written (failures are logged once, not raised)."""
         written = count = 0
         stamp = time.time_ns()
-        subs: dict[str, int] = {}  # the folders checked in this call (one check a folder, not a file)
         for i, (key, pieces) in enumerate(items):
             try:
-                written += self._put(key, pieces, stamp + len(items) - i, subs)
+                written += self._put(key, pieces, stamp + len(items) - i)
                 count += 1
             except _BACKEND_ERRORS as exc:
                 self._log_once(f"write:{type(exc).__name__}", "writing an object failed: %s", exc)
@@ -240,18 +239,13 @@ class FileBlockStore:
                 self.evict()
         return count
 
-    def _put(self, key: bytes, pieces: Sequence[Buffer], stamp: int, subs: dict[str, int]) -> int:
+    def _put(self, key: bytes, pieces: Sequence[Buffer], stamp: int) -> int:
         name = key.hex()
         try:
-            sub = subs.get(name[:2])
-            if sub is None:
-                sub = subs[name[:2]] = self._dirs.sub(name[:2], create=True)
-            return self._write(sub, name, pieces, stamp)
+            return self._write(self._dirs.sub(name[:2], create=True), name, pieces, stamp)
         except FileNotFoundError:  # the store was removed under us (e.g. rm -rf to clear it): reopen, once
             self._dirs.reset()
-            subs.clear()
-            sub = subs[name[:2]] = self._dirs.sub(name[:2], create=True)
-            return self._write(sub, name, pieces, stamp)
+            return self._write(self._dirs.sub(name[:2], create=True), name, pieces, stamp)
 
     def _held(self, sub: int, name: str, stamp: int) -> bool:
         """``publish_once``: whether ``name`` is already a whole object (a regular file of the object size, no mode
