@@ -4,9 +4,13 @@ kvdi's real store worker half saves and loads the same 1 MiB blocks (8 layers x 
 x 128 dims, fp32, ``nhc`` block order: vLLM's GPU default) to shared_storage folders, once with
 ``format=per_rank`` and once with ``format=canonical``, for two grids: ``section_heads=8`` (one section a
 block: the format's own cost) and ``section_heads=1`` (a section a head: eight objects a block, what a
-fleet of any TP size shares). Rounds alternate ABBA, BAAB; each row is the ratio of the medians, with the
-lowest and highest per-round ratio in its note. Warm page cache. The issue's bar (at most 10 % over
-per-rank frames) is the target of the one-section rows; a section a head pays for eight files a block.
+fleet of any TP size shares). Three operations (:data:`OPS`), both sides on the same blocks: ``save`` of
+blocks never stored before (fresh keys each round, as the scheduler saves what the store lacks), ``re-save``
+of blocks already stored (per-rank frames are rewritten; canonical sections, published once, are kept) and
+``load``. Rounds alternate ABBA, BAAB; each row is the ratio of the medians, with the lowest and highest
+per-round ratio in its note. Warm page cache. The files go under ``TMPDIR`` (the file system matters: a
+file's creation is most of a small object's cost). The issue's bar (at most 10 % over per-rank frames) is the
+target of the one-section rows; a section a head pays for eight files a block.
 ``benchmarks/canonical_cost.py`` prints the same from the command line.
 """
 
@@ -36,6 +40,7 @@ from kvdi.settings import KvdiSettings
 
 LAYOUT = KVCacheSpec("bench#canonical", 8, 8, 128, 16, "float32", block_order="nhc")
 TARGET = 1.10
+OPS = ("save", "re-save", "load")
 
 
 @dataclass(frozen=True)
@@ -77,29 +82,43 @@ def _timed(half: StoreWorkerConnector, keys: tuple[bytes, ...], save: bool) -> f
     return took
 
 
+def _keys(blocks: int, round_: int) -> tuple[bytes, ...]:
+    """``blocks`` block keys of their own for save round ``round_`` (fresh blocks, never stored before)."""
+    first = round_ * blocks * LAYOUT.block_size
+    return tuple(block_keys(list(range(first, first + blocks * LAYOUT.block_size)), LAYOUT))
+
+
 def measure(rounds: int = 6, blocks: int = 32, heads: int = 1) -> list[Cost]:
-    """Save then load ``blocks`` blocks ``rounds`` times on each side, alternated; the save and load costs."""
+    """Save, re-save and load ``blocks`` blocks ``rounds`` times on each side, alternated; the cost of each.
+
+    ``save``: blocks never stored before, each round (what the scheduler saves: blocks the store lacks).
+    ``re-save``: the last round's blocks again (another engine saving a prefix already stored): per-rank
+    frames are rewritten, canonical sections published once are kept. ``load``: the last round's blocks."""
     torch.set_num_threads(1)
-    keys = tuple(block_keys(list(range(blocks * LAYOUT.block_size)), LAYOUT))
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        halves = {f: _worker(Path(tmp) / f, f, blocks, heads) for f in ("per_rank", "canonical")}
-        for op, save in (("save", True), ("load", False)):
-            times: dict[str, list[float]] = {f: [] for f in halves}
+        sides = {f: _worker(Path(tmp) / f, f, blocks, heads) for f in ("per_rank", "canonical")}
+        keys = _keys(blocks, 0)
+        for f in sides:
+            _timed(sides[f], keys, True)
+        for op in OPS:
+            times: dict[str, list[float]] = {f: [] for f in sides}
             for r in range(rounds):
-                order = list(halves) if r % 4 in (0, 3) else list(halves)[::-1]  # ABBA BAAB
+                order = list(sides) if r % 4 in (0, 3) else list(sides)[::-1]  # ABBA BAAB
+                fresh = _keys(blocks, r + 1) if op == "save" else keys
                 for f in order:
-                    times[f].append(_timed(halves[f], keys, save))
+                    times[f].append(_timed(sides[f], fresh, op != "load"))
+                keys = fresh
             ratios = tuple(c / p for c, p in zip(times["canonical"], times["per_rank"], strict=True))
             med = {f: statistics.median(t) for f, t in times.items()}
             out.append(Cost(op, heads, med["per_rank"], med["canonical"], ratios))
-        for half in halves.values():
+        for half in sides.values():
             half.shutdown()
     return out
 
 
 def run(quick: bool) -> list[BenchResult]:
-    """``kvdi bench canonical``: save and load, one section a block and a section a head."""
+    """``kvdi bench canonical``: save, re-save and load, one section a block and a section a head."""
     rounds, blocks = (4, 8) if quick else (10, 32)
     results = []
     for heads in (LAYOUT.num_kv_heads, 1):

@@ -14,19 +14,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.shared_storage.fileio import link_fd, list_entries, readv_full, writev_full
-from kvdi.connectors.shared_storage.safe_dir import SafeDir, vet_root
-from kvdi.connectors.store.canonical_store import CanonicalBlockStore, canonical_object_bytes
-from kvdi.connectors.store.framing import HEADER_SIZE, Buffer
-from kvdi.connectors.store.integrity import frame_key
-from kvdi.errors import ConfigError
-
-if TYPE_CHECKING:
-    from kvdi.layout import KVCacheSpec
-    from kvdi.settings import KvdiSettings, SharedStorageSettings
+from kvdi.connectors.shared_storage.safe_dir import SafeDir
+from kvdi.connectors.store.framing import Buffer
 
 logger = logging.getLogger(__name__)
 
@@ -56,17 +49,26 @@ class FileBlockStore:
     """A :class:`~kvdi.connectors.store.BlockStore` over a directory; safe across threads and processes.
 
     ``object_bytes``: the one valid object size (a frame); objects of any other size are never
-    read (a miss the reader drops). ``mode``: file mode of new objects. ``root`` is created (mode
-    0700 for 0600 files) and opened on first use; while it cannot be opened as a real directory
-    (a symlink is refused), every call is a miss or a failed write, never an exception.
+    read (a miss the reader drops). ``mode``: file mode of new objects. ``publish_once``: an object already
+    stored whole (a regular file of ``object_bytes``, no mode wider than ``mode``) is not written again (S3's
+    conditional create); anything else under its name is replaced, as every write replaces without it.
+    ``root`` is created (mode 0700 for 0600 files) and opened on first use; while it cannot be opened as a
+    real directory (a symlink is refused), every call is a miss or a failed write, never an exception.
     """
 
     hit_source = "disk"  # the tier vLLM's external_prefix_cache_hits names (vllm CacheHitSource)
 
     def __init__(
-        self, root: Path, max_bytes: int | None = None, *, mode: int = DEFAULT_MODE, object_bytes: int | None = None
+        self,
+        root: Path,
+        max_bytes: int | None = None,
+        *,
+        mode: int = DEFAULT_MODE,
+        object_bytes: int | None = None,
+        publish_once: bool = False,
     ) -> None:
         self.root = root
+        self.publish_once = publish_once and object_bytes is not None
         self.max_bytes = max_bytes
         self.mode = mode
         self.object_bytes = object_bytes
@@ -245,7 +247,22 @@ class FileBlockStore:
             self._dirs.reset()
             return self._write(self._dirs.sub(name[:2], create=True), name, pieces, stamp)
 
+    def _held(self, sub: int, name: str, stamp: int) -> bool:
+        """``publish_once``: whether ``name`` is already a whole object (a regular file of the object size, no mode
+        wider than ours): then it is kept (its mtime refreshed under a size cap) and not written again."""
+        try:
+            st = os.stat(name, dir_fd=sub, follow_symlinks=False)
+        except OSError:
+            return False
+        held = stat.S_ISREG(st.st_mode) and st.st_size == self.object_bytes and not st.st_mode & 0o7777 & ~self.mode
+        if held and self.max_bytes:
+            with contextlib.suppress(OSError):  # best effort, as a read's touch
+                os.utime(name, ns=(stamp, stamp), dir_fd=sub, follow_symlinks=False)
+        return held
+
     def _write(self, sub: int, name: str, pieces: Sequence[Buffer], stamp: int) -> int:
+        if self.publish_once and self._held(sub, name, stamp):
+            return 0
         fd, tmp = self._create(sub, name)
         try:
             try:
@@ -364,30 +381,4 @@ class FileBlockStore:
         self._dirs.close()
 
 
-def open_store(
-    options: SharedStorageSettings, layout: KVCacheSpec, settings: KvdiSettings
-) -> FileBlockStore | CanonicalBlockStore:
-    """The backend factory named by the ``shared_storage`` spec: creates the directory if needed. With
-    ``format="canonical"`` the files are canonical sections behind :class:`CanonicalBlockStore`."""
-    key = frame_key(settings)  # a bad integrity key is a ConfigError when the backend is built (and in `kvdi check`)
-    root = Path(options.path).expanduser()
-    vet_root(root, options.mode)  # others may not write; a world-writable root is worth a warning
-    canonical = options.format == "canonical"
-    grid = (options.section_layers, options.section_heads)
-    size = canonical_object_bytes(layout, grid) if canonical else HEADER_SIZE + layout.block_bytes
-    store = FileBlockStore(root, options.max_bytes, mode=options.mode, object_bytes=size)
-    try:
-        store.open()  # now: a bad path is a ConfigError at build time, not a miss per call
-    except OSError as exc:
-        store.close()
-        why = exc.strerror or str(exc)
-        if os.path.islink(root):
-            why = f"it is a symlink; point it at the real directory ({os.path.realpath(root)!r})"
-        raise ConfigError(
-            f"KVDI_SHARED_STORAGE__PATH={str(root)!r}: cannot use it as the KV store directory ({why}); "
-            f"point it at a writable directory"
-        ) from None
-    return CanonicalBlockStore(store, layout, key, grid) if canonical else store
-
-
-__all__ = ["DEFAULT_MODE", "FileBlockStore", "dir_mode", "open_store"]
+__all__ = ["DEFAULT_MODE", "FileBlockStore", "dir_mode"]

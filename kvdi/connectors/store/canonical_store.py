@@ -114,6 +114,8 @@ def canonical_object_bytes(
 class CanonicalBlockStore:
     """Per-rank frames in, canonical sections out (and back); see the module docstring."""
 
+    reads_frame_headers = False  # put_many frames sections itself: BlockWriter passes b"" for a frame's header
+
     def __init__(
         self, inner: BlockStore, layout: KVCacheSpec, key: FrameKey | None = None, grid: tuple[int, int] = (0, 1)
     ) -> None:

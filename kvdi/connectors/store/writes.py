@@ -44,6 +44,7 @@ class BlockWriter:
         self.store, self._fingerprint, self._key = store, fingerprint, key
         saved = getattr(store, "saved_block_bytes", None)  # canonical: this rank's sections only (0: replicas)
         self.block_bytes = saved if isinstance(saved, int) else block_bytes
+        self._framed = getattr(store, "reads_frame_headers", True) is not False  # canonical: sections, no frame
         self._log_once = log_once
         self.block_event: Callable[[bool, bytes], None] | None = None  # KV cache events: a block was stored
 
@@ -52,7 +53,8 @@ class BlockWriter:
         the store returns (how many were written) and raises what the store raises."""
         items: list[tuple[bytes, Sequence[Buffer]]] = []
         for piece_list, key in zip(pieces, keys, strict=True):
-            items.append((key, [frame_header(self._fingerprint, piece_list, self._key, name=key), *piece_list]))
+            header = frame_header(self._fingerprint, piece_list, self._key, name=key) if self._framed else b""
+            items.append((key, [header, *piece_list]))
         return partial(self.store.put_many, items)
 
     def settle(self, stats: ConnectorStats, count: int, finish: Callable[[], object], keys: Sequence[bytes]) -> None:

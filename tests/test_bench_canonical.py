@@ -1,0 +1,18 @@
+"""``kvdi bench canonical`` runs every operation on both formats (no timing asserted: the figures are its output)."""
+
+from __future__ import annotations
+
+from kvdi.bench.canonical import OPS, measure, run
+
+
+def test_measure_times_save_resave_and_load_on_both_formats() -> None:
+    costs = measure(rounds=2, blocks=2, heads=1)
+    assert [c.op for c in costs] == list(OPS)
+    assert all(c.per_rank > 0 and c.canonical > 0 and len(c.ratios) == 2 for c in costs)
+
+
+def test_run_quick_reports_both_grids_and_targets_only_one_section_a_block() -> None:
+    rows = run(quick=True)
+    assert len(rows) == 2 * len(OPS)
+    targeted = {r.metric for r in rows if r.target is not None}
+    assert targeted == {f"{op} (a section a block)" for op in OPS}
