@@ -10,6 +10,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from benchmarks.vllm.bench_serve_pooled import pooled_table
+
 COLUMNS = (
     ("median_ttft_ms", "TTFT p50"),
     ("p90_ttft_ms", "TTFT p90"),
@@ -65,7 +67,8 @@ def table(doc: dict[str, Any]) -> str:
     loads = [p["load_avg_1m"] for r in doc["results"] for row in r.get("rows", {}).values() for p in row.values()]
     lines = [
         f"vllm serve + vLLM's bench serve client; {doc['cpus']} CPUs; {doc['minutes']} min; "
-        f"ratios to the do-nothing connector of the same repeat, median [min-max] over repeats",
+        f"ratios to the do-nothing connector of the same repeat, median [min-max] over repeats (vLLM's own per-pass"
+        f" figures; ITL there is per chunk: see POOLED below for per-token ITL)",
     ]
     if loads:
         lines.append(f"machine load (1-min load average at the passes): {min(loads):.1f}-{max(loads):.1f}")
@@ -89,6 +92,7 @@ def table(doc: dict[str, Any]) -> str:
         if isinstance(r["multi_turn"], str):
             lines.append(f"multi-turn {r['config']} r{r['repeat']}: {r['multi_turn']}")
     lines += multi_turn_table([r for r in extra if isinstance(r["multi_turn"], dict)])
+    lines += pooled_table(doc, int(doc.get("args", {}).get("boots", 300)))
     return "\n".join(lines)
 
 
