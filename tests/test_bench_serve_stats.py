@@ -113,7 +113,12 @@ def test_the_pooled_table_judges_each_configuration_against_its_bar() -> None:
     rng = random.Random(2)
 
     def result(config: str, repeat: int, mean: float, cpu: float) -> dict[str, Any]:
-        fig = {"itl_ms": requests(rng, mean, 30), "tpot_ms": [mean] * 30, "cpu_s": {"total": cpu}}
+        fig = {
+            "itl_ms": requests(rng, mean, 30),
+            "tpot_ms": [mean] * 30,
+            "cpu_s": {"python": 9.0, "VLLM::EngineCor": cpu / 2},
+        }
+        fig["cpu_s"] |= {"VLLM::Worker": cpu / 2, "total": 9.0 + cpu}  # the API server ("python") left out
         fig |= {"total_output_tokens": 1000.0, "burst_fraction": 0.0}
         return {"config": config, "repeat": repeat, "rows": {"prefix_repetition/c4": {"hit": fig}}}
 

@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         " when any connector is configured)",
     )
     parser.add_argument("--multi-turn", action="store_true", help="also vLLM's multi-turn client")
+    parser.add_argument("--multi-turn-only", action="store_true", help="vLLM's multi-turn client alone")
     parser.add_argument(
         "--before-tree",
         type=Path,
@@ -346,14 +347,14 @@ def main(argv: list[str] | None = None) -> int:
         args.model = model_with_tokenizer(make_tiny_llama(cache / "llama"), cache / "model")
         redis = RedisServer().start()
         try:
-            for repeat in range(args.repeats):
+            for repeat in range(0 if args.multi_turn_only else args.repeats):
                 # ABAB.. then BABA.., rotated every second repeat
                 shift = repeat // 2 % len(configs)
                 order = configs[shift:] + configs[:shift]
                 order = order if repeat % 2 == 0 else order[::-1]
                 for name in order:
                     results.append(serve_one(name, repeat, rows, args, work, redis.url))
-            if args.multi_turn:
+            if args.multi_turn or args.multi_turn_only:
                 args.redis_url = redis.url
                 from benchmarks.vllm.bench_serve_multi_turn import run_multi_turn
 
