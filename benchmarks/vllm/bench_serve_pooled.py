@@ -72,13 +72,21 @@ def spread_cell(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
 
 
-def bursts(doc: dict[str, Any], key: str, phase: str, config: str) -> str:
+MAX_BURSTS = 0.1  # over this share of coalesced chunk gaps the client-side ITL and TPOT are not judged
+
+
+def burst_share(doc: dict[str, Any], key: str, phase: str, config: str) -> float:
+    """The largest share of coalesced chunk gaps over ``config``'s passes of this row and pass."""
     values = [
         r["rows"][key][phase]["burst_fraction"]
         for r in doc["results"]
         if r["config"] == config and "burst_fraction" in r.get("rows", {}).get(key, {}).get(phase, {})
     ]
-    return f"{max(values):.0%}" if values else "-"
+    return max(values, default=0.0)
+
+
+def bursts(doc: dict[str, Any], key: str, phase: str, config: str) -> str:
+    return f"{burst_share(doc, key, phase, config):.0%}"
 
 
 COLUMNS = ("ITL p50", "ITL p90", "TPOT p50", "TPOT p90", "CPU/token", "bursts", "ITL bar")
@@ -147,8 +155,9 @@ def pooled_table(doc: dict[str, Any], boots: int = 300) -> list[str]:
         " engine core's and worker's user+system CPU per generated token, median [min-max] of per-repeat ratios;"
         " bursts:"
         " the largest share of chunk gaps under 0.2 ms (coalesced, spread by deburst); ITL bar: pass / FAIL /"
-        " undecided (the interval straddles the bar: more repeats). (server side): vLLM's own inter-token"
-        " histogram (engine-side output timestamps, --custom-histogram-buckets), ratios paired by repeat: geometric"
+        " undecided (the interval straddles the bar: more repeats), n/a where over 10% of either side's gaps were"
+        " coalesced (whole requests read at once: the client's ITL and TPOT say nothing). (server side): vLLM's own"
+        " inter-token histogram (engine-side output timestamps, --custom-histogram-buckets), ratios paired by repeat: geometric"
         " mean [90% t interval over repeats]; the decisive ITL figure where bursts are high",
     ]
     for key in keys:
@@ -173,7 +182,8 @@ def pooled_table(doc: dict[str, Any], boots: int = 300) -> list[str]:
                 itl_r = ratio_interval(base_itl, itl, boots=boots)
                 tpot_r = ratio_interval(base_tpot, samples(doc, key, phase, config, "tpot_ms"), boots=boots)
                 limit = bar(config, phase)
-                judged = "-" if limit is None else judge(list(itl_r), limit)
+                coalesced = max(burst_share(doc, key, phase, c) for c in (BASELINE, config)) > MAX_BURSTS
+                judged = "-" if limit is None else "n/a (bursts)" if coalesced else judge(list(itl_r), limit)
                 cells = [interval_cell(x) for x in itl_r + tpot_r]
                 cells += [spread_cell(cpu_ratios(doc, key, phase, config)), bursts(doc, key, phase, config), judged]
                 lines.append(f"{'  ' + config:28s}" + "".join(f"{c:>24s}" for c in cells))
