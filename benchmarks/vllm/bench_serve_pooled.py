@@ -157,8 +157,8 @@ def pooled_table(doc: dict[str, Any], boots: int = 300) -> list[str]:
         " the largest share of chunk gaps under 0.2 ms (coalesced, spread by deburst); ITL bar: pass / FAIL /"
         " undecided (the interval straddles the bar: more repeats), n/a where over 10% of either side's gaps were"
         " coalesced (whole requests read at once: the client's ITL and TPOT say nothing). (server side): vLLM's own"
-        " inter-token histogram (engine-side output timestamps, --custom-histogram-buckets), ratios paired by repeat: geometric"
-        " mean [90% t interval over repeats]; the decisive ITL figure where bursts are high",
+        " inter-token histogram (engine-side output timestamps, --custom-histogram-buckets), ratios paired by"
+        " repeat: geometric mean [90% t interval over repeats]; the decisive ITL figure where bursts are high",
     ]
     for key in keys:
         for phase in ("cold", "hit", "load"):
