@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.vllm.bench_serve_pooled import engine_cpu_s
 from benchmarks.vllm.bench_serve_report import table
 from benchmarks.vllm.bench_serve_stats import (
     ITL_BUCKETS_S,
@@ -266,12 +267,12 @@ def serve_one(
                 row[phase] = {k: float(result[k]) for k in FIGURES} | {"load_avg_1m": load, "cpu_s": cpu}
                 row[phase] |= per_request(result) | ({"server_itl_hist": hist} if hist else {})
                 fig = row[phase]
-                per_token = cpu["total"] / max(1.0, fig["total_output_tokens"]) * 1e3
+                per_token = engine_cpu_s(cpu) / max(1.0, fig["total_output_tokens"]) * 1e3
                 server_itl = histogram_quantiles(hist) if hist else [float("nan")] * 2
                 print(
                     f"  r{repeat} {name:15s} {dataset} c={concurrency} {phase:5s} itl p50 {fig['median_itl_ms']:.2f}"
                     f" p90 {fig['p90_itl_ms']:.2f} tpot p50 {fig['median_tpot_ms']:.2f} ttft p50"
-                    f" {fig['median_ttft_ms']:.1f} cpu/token {per_token:.2f} ms"
+                    f" {fig['median_ttft_ms']:.1f} engine cpu/token {per_token:.2f} ms"
                     f" bursts {fig['burst_fraction']:.0%} server itl p50 {server_itl[0]:.3f} p90 {server_itl[1]:.3f}"
                     f" load {load:.1f}",
                     file=sys.stderr,
