@@ -20,6 +20,10 @@ from that checkout. Each server runs a warm-up, then per (dataset, concurrency) 
 - ``load``: vLLM's prefix cache reset (``POST /reset_prefix_cache``, the connector's store kept), the same
   prompts again: a store connector loads every prefix; the others recompute.
 
+Per pass it also keeps every request's chunk gaps, vLLM's own engine-side inter-token histogram (log stats on, fine
+buckets) and the engine's CPU time: the POOLED table (:mod:`.bench_serve_pooled`, why in :mod:`.bench_serve_stats`
+and ``docs/bench-serve-power.md``) judges each row against issue 31's bars.
+
 Prints, per row, TTFT and ITL median and p90 of each configuration as ratios to the do-nothing connector of the
 same repeat (median of the repeats, [min-max]), and the do-nothing connector against no connector; the 1-minute
 load average at every pass says how busy the machine was.
