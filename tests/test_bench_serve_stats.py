@@ -133,7 +133,7 @@ def test_the_pooled_table_judges_each_configuration_against_its_bar() -> None:
     assert pooled_table({"results": [result("null", 0, 2.5, 1.0)]}) == []  # no noop: no table
     doc["results"][0]["rows"]["prefix_repetition/c4"]["hit"]["burst_fraction"] = 0.5  # noop's tokens read at once
     (null,) = [line for line in pooled_table(doc, boots=20) if line.strip().startswith("null")]
-    assert "n/a (bursts)" in null
+    assert "n/a (bursts)" in null and null.count("(bursts)") == 5  # 4 latency cells and the verdict
 
 
 METRICS = """# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.

@@ -184,7 +184,8 @@ def pooled_table(doc: dict[str, Any], boots: int = 300) -> list[str]:
                 limit = bar(config, phase)
                 coalesced = max(burst_share(doc, key, phase, c) for c in (BASELINE, config)) > MAX_BURSTS
                 judged = "-" if limit is None else "n/a (bursts)" if coalesced else judge(list(itl_r), limit)
-                cells = [interval_cell(x) for x in itl_r + tpot_r]
+                # coalesced chunks: a whole request read at once, its ITL and TPOT ~0; their ratios mean nothing
+                cells = ["(bursts)" if coalesced else interval_cell(x) for x in itl_r + tpot_r]
                 cells += [spread_cell(cpu_ratios(doc, key, phase, config)), bursts(doc, key, phase, config), judged]
                 lines.append(f"{'  ' + config:28s}" + "".join(f"{c:>24s}" for c in cells))
             lines += server_table(doc, key, phase, configs)
