@@ -188,3 +188,21 @@ def test_the_server_side_table_pairs_each_repeat_with_its_noop() -> None:
     null, offload = lines[start + 2], lines[start + 3]
     assert null.split()[0] == "null" and "pass (<= 1.03)" in null and "1.010 [1.010-1.010]" in null
     assert offload.split()[0] == "cpu_offload" and "undecided (<= 1.05)" in offload
+
+
+def test_the_multi_turn_table_judges_cpu_offload_and_shared_storage_against_noop() -> None:
+    from benchmarks.vllm.bench_serve_report import multi_turn_table
+
+    def result(config: str, repeat: int, scale: float) -> dict[str, Any]:
+        base = 40.0 + repeat
+        fig = {"ttft_p50_ms": base * scale, "ttft_p90_ms": 2 * base * scale, "run_s": base / 10 * scale}
+        return {"config": config, "repeat": repeat, "multi_turn": fig}
+
+    results = [result("noop", r, 1.0) for r in range(3)]
+    results += [result("cpu_offload", r, 0.8) for r in range(3)]
+    results += [result("shared_storage", r, 1.3) for r in range(3)]
+    results += [result("null", r, 1.3) for r in range(3)]
+    lines = {line.split()[0]: line for line in multi_turn_table(results)[2:]}
+    assert lines["cpu_offload"].endswith("pass (<= 1.0)")
+    assert lines["shared_storage"].endswith("FAIL (<= 1.0)")
+    assert lines["null"].endswith("-")

@@ -318,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--multi-turn", action="store_true", help="also vLLM's multi-turn client")
     parser.add_argument("--multi-turn-only", action="store_true", help="vLLM's multi-turn client alone")
+    parser.add_argument("--mt-rounds", type=int, default=1, help="multi-turn client runs per server (more samples)")
     parser.add_argument(
         "--before-tree",
         type=Path,
