@@ -197,7 +197,7 @@ def run_multi_turn(configs: Sequence[str], args: Any, work: Path, server: Callab
             finally:
                 srv.stop()
             print(f"  multi-turn r{repeat} {name:15s} ttft p50 {fig['ttft_p50_ms']:.1f} p90 {fig['ttft_p90_ms']:.1f}"
-                  f" run {fig['run_s']:.1f} s, {fig['requests']:.0f} of {CONVERSATIONS * TURNS} requests answered",
+                  f" run {fig['run_s']:.1f} s, {fig['requests']:.0f} of {CONVERSATIONS * TURNS * rounds} answered",
                   file=sys.stderr)  # fmt: skip
             out.append({"config": name, "repeat": repeat, "multi_turn": fig})
     return out
