@@ -20,6 +20,10 @@ from that checkout. Each server runs a warm-up, then per (dataset, concurrency) 
 - ``load``: vLLM's prefix cache reset (``POST /reset_prefix_cache``, the connector's store kept), the same
   prompts again: a store connector loads every prefix; the others recompute.
 
+Per pass it also keeps every request's chunk gaps, vLLM's own engine-side inter-token histogram (log stats on, fine
+buckets) and the engine's CPU time: the POOLED table (:mod:`.bench_serve_pooled`, why in :mod:`.bench_serve_stats`
+and ``docs/bench-serve-power.md``) judges each row against issue 31's bars.
+
 Prints, per row, TTFT and ITL median and p90 of each configuration as ratios to the do-nothing connector of the
 same repeat (median of the repeats, [min-max]), and the do-nothing connector against no connector; the 1-minute
 load average at every pass says how busy the machine was.
@@ -49,7 +53,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.vllm.bench_serve_pooled import engine_cpu_s
 from benchmarks.vllm.bench_serve_report import table
+from benchmarks.vllm.bench_serve_stats import (
+    ITL_BUCKETS_S,
+    cpu_delta,
+    group_cpu_s,
+    histogram_delta,
+    histogram_quantiles,
+    itl_histogram,
+    per_request,
+)
 from benchmarks.vllm.vllm_cli import patch_version
 from tests.real_vllm.serve_support import free_port, model_with_tokenizer
 from tests.real_vllm.vllm_support import BLOCK_SIZE, kv_config, make_tiny_llama, read_stats
@@ -80,8 +94,14 @@ def client_priority() -> str:
     return f"client at priority {CLIENT_PRIORITY}, servers at {BASE_PRIORITY}"
 
 
+SERVER_PRIORITY = [BASE_PRIORITY]  # --server-priority: the servers' niceness (set before they start)
+
+
 def server_priority() -> None:
-    os.setpriority(os.PRIO_PROCESS, 0, BASE_PRIORITY)
+    """The started server's niceness (``--server-priority``, the client's by default): a server at the base
+    priority on a busy machine sent each request's tokens in one burst at its end (its API server scheduled late)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, SERVER_PRIORITY[0])
 
 
 def kv_for(name: str, store: Path, redis_url: str, stats: Path) -> dict[str, Any] | None:
@@ -108,7 +128,7 @@ class Server:
 
     def __init__(
         self, model: Path, log: Path, kv: dict[str, Any] | None, max_len: int, tree: Path = ROOT,
-        reserved_cpus: int | None = None, extra: Sequence[str] = (),
+        reserved_cpus: int | None = None, extra: Sequence[str] = (), log_stats: bool = False,
     ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -117,8 +137,11 @@ class Server:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--dtype", "float32",
             "--max-model-len", str(max_len), "--block-size", str(BLOCK_SIZE), "--seed", "0",
-            "--disable-log-stats", *extra,
+            *extra,
         ]  # fmt: skip
+        # log stats on: vLLM's inter-token histogram (engine-side timestamps), with buckets fine enough for quantiles
+        buckets = json.dumps({"inter_token_latency": ITL_BUCKETS_S})
+        command += ["--custom-histogram-buckets", buckets] if log_stats else ["--disable-log-stats"]
         if kv is not None:
             command += ["--kv-transfer-config", json.dumps(kv)]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
@@ -156,6 +179,11 @@ class Server:
             time.sleep(0.2)
         return False
 
+    def itl_histogram(self) -> dict[str, float]:
+        """vLLM's inter-token histogram now (:func:`.bench_serve_stats.itl_histogram`; empty with log stats off)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as reply:
+            return itl_histogram(reply.read().decode())
+
     def log_tail(self, chars: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
 
@@ -169,21 +197,25 @@ class Server:
         self.proc.wait(timeout=60)
 
 
-def client_args(dataset: str, concurrency: int, prompts: int, seed: int, model: Path, url: str) -> list[str]:
-    """``vllm bench serve`` arguments of one pass (vLLM's own flags)."""
+def client_args(
+    dataset: str, concurrency: int, prompts: int, seed: int, model: Path, url: str, output_len: int = 32
+) -> list[str]:
+    """``vllm bench serve`` arguments of one pass (vLLM's own flags); ``--save-detailed`` keeps each request's
+    chunk gaps, TTFT and latency in the result (not written anywhere: no ``--save-result``)."""
     args = [
         "--backend", "vllm", "--base-url", url, "--model", str(model), "--dataset-name", dataset,
         "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--seed", str(seed),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90", "--ignore-eos",
-        "--disable-tqdm", "--ready-check-timeout-sec", "0",
+        "--disable-tqdm", "--ready-check-timeout-sec", "0", "--save-detailed",
     ]  # fmt: skip
     if dataset == "prefix_repetition":
         args += [
             "--prefix-repetition-prefix-len", "768", "--prefix-repetition-suffix-len", "32",
-            "--prefix-repetition-num-prefixes", str(max(1, prompts // 4)), "--prefix-repetition-output-len", "32",
+            "--prefix-repetition-num-prefixes", str(max(1, prompts // 4)),
+            "--prefix-repetition-output-len", str(output_len),
         ]  # fmt: skip
     else:
-        args += ["--random-input-len", "512", "--random-output-len", "32"]
+        args += ["--random-input-len", "512", "--random-output-len", str(output_len)]
     return args
 
 
@@ -215,14 +247,15 @@ def serve_one(
     kv = kv_for(name, store, redis_url, stats)
     tree = args.before_tree if name.endswith(BEFORE) else ROOT
     reserved = None if args.reserved_cpus < 0 else args.reserved_cpus
-    server = Server(args.model, work / f"serve-{name}-{repeat}.log", kv, 2048, tree, reserved)
+    log = work / f"serve-{name}-{repeat}.log"
+    server = Server(args.model, log, kv, 2048, tree, reserved, log_stats=args.server_itl)
     out: dict[str, Any] = {"config": name, "repeat": repeat, "rows": {}}
     try:
         server.wait_ready()
         run_client(client_args("random", 4, 8, 10_000 + repeat, args.model, server.url))  # warm-up, no figure
         for i, (dataset, concurrency) in enumerate(rows):
             seed = 1000 * repeat + i  # the same prompts for every configuration of a repeat
-            argv = client_args(dataset, concurrency, args.prompts, seed, args.model, server.url)
+            argv = client_args(dataset, concurrency, args.prompts, seed, args.model, server.url, args.output_len)
             row: dict[str, Any] = {}
             for phase in PASSES:
                 if phase == "load" and not server.reset_prefix_cache():
@@ -230,13 +263,22 @@ def serve_one(
                     continue
                 time.sleep(args.settle_s)  # background saves of the previous pass done
                 load = os.getloadavg()[0]
+                cpu_before, hist_before = group_cpu_s(server.proc.pid), server.itl_histogram()
                 result = run_client(argv)
-                row[phase] = {k: float(result[k]) for k in FIGURES} | {"load_avg_1m": load}
+                cpu = cpu_delta(cpu_before, group_cpu_s(server.proc.pid))
+                time.sleep(0.2)  # the API server records the last outputs' stats
+                hist = histogram_delta(hist_before, server.itl_histogram())
+                row[phase] = {k: float(result[k]) for k in FIGURES} | {"load_avg_1m": load, "cpu_s": cpu}
+                row[phase] |= per_request(result) | ({"server_itl_hist": hist} if hist else {})
                 fig = row[phase]
+                per_token = engine_cpu_s(cpu) / max(1.0, fig["total_output_tokens"]) * 1e3
+                server_itl = histogram_quantiles(hist) if hist else [float("nan")] * 2
                 print(
                     f"  r{repeat} {name:15s} {dataset} c={concurrency} {phase:5s} itl p50 {fig['median_itl_ms']:.2f}"
                     f" p90 {fig['p90_itl_ms']:.2f} tpot p50 {fig['median_tpot_ms']:.2f} ttft p50"
-                    f" {fig['median_ttft_ms']:.1f} load {load:.1f}",
+                    f" {fig['median_ttft_ms']:.1f} engine cpu/token {per_token:.2f} ms"
+                    f" bursts {fig['burst_fraction']:.0%} server itl p50 {server_itl[0]:.3f} p90 {server_itl[1]:.3f}"
+                    f" load {load:.1f}",
                     file=sys.stderr,
                 )
             out["rows"][f"{dataset}/c{concurrency}"] = row
@@ -256,6 +298,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--datasets", default="prefix_repetition", help="prefix_repetition,random")
     parser.add_argument("--concurrency", default="4", help="comma-separated, e.g. 1,4,16")
     parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128, help="tokens per request (ITL samples)")
+    parser.add_argument("--server-priority", type=int, default=CLIENT_PRIORITY, help="the servers' niceness")
+    parser.add_argument("--boots", type=int, default=300, help="bootstrap resamples of the pooled table")
+    parser.add_argument(
+        "--server-itl",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="log stats on, vLLM's inter-token histogram read around each pass (--no-server-itl: log stats off)",
+    )
     parser.add_argument("--settle-s", type=float, default=1.0)
     parser.add_argument("--full", action="store_true", help="both datasets, concurrency 1, 4 and 16, 3 repeats")
     parser.add_argument(
@@ -266,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         " when any connector is configured)",
     )
     parser.add_argument("--multi-turn", action="store_true", help="also vLLM's multi-turn client")
+    parser.add_argument("--multi-turn-only", action="store_true", help="vLLM's multi-turn client alone")
+    parser.add_argument("--mt-rounds", type=int, default=1, help="multi-turn client runs per server (more samples)")
     parser.add_argument(
         "--before-tree",
         type=Path,
@@ -286,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(d, int(c)) for d in args.datasets.split(",") for c in args.concurrency.split(",")]
     patch_version()
     priority = client_priority()
+    SERVER_PRIORITY[0] = args.server_priority
+    priority = priority.replace(f"servers at {BASE_PRIORITY}", f"servers at {args.server_priority}")
     print(priority, file=sys.stderr)
     from kvdi.testing.redis_server import RedisServer
 
@@ -298,14 +353,14 @@ def main(argv: list[str] | None = None) -> int:
         args.model = model_with_tokenizer(make_tiny_llama(cache / "llama"), cache / "model")
         redis = RedisServer().start()
         try:
-            for repeat in range(args.repeats):
+            for repeat in range(0 if args.multi_turn_only else args.repeats):
                 # ABAB.. then BABA.., rotated every second repeat
                 shift = repeat // 2 % len(configs)
                 order = configs[shift:] + configs[:shift]
                 order = order if repeat % 2 == 0 else order[::-1]
                 for name in order:
                     results.append(serve_one(name, repeat, rows, args, work, redis.url))
-            if args.multi_turn:
+            if args.multi_turn or args.multi_turn_only:
                 args.redis_url = redis.url
                 from benchmarks.vllm.bench_serve_multi_turn import run_multi_turn
 

@@ -8,6 +8,8 @@ tokenizer config (its word-level tokenizer has none). ``pandas`` is for this cli
 -m pip install pandas``); without it :func:`run_multi_turn` says so in one line and the run goes on without it.
 Conversations (:func:`conversations`) are in the tokenizer's words, :data:`CONVERSATIONS` of :data:`TURNS` turns,
 against a KV cache of :data:`CACHE_BLOCKS` blocks (``--num-gpu-blocks-override``), smaller than them together.
+``--mt-rounds N`` runs the client N times per server (another conversation set each time, :func:`run_rounds`): more
+TTFT samples for one server start; the table judges the bar (<= 1.0x ``noop``) on a t interval over the repeats.
 
 Every measured request is answered and counted (before: 112 of 120). Two habits of the client (vLLM 0.32 and 0.33,
 ``client_main``) dropped the others:
@@ -148,6 +150,23 @@ def figures(stats: Path, seconds: float) -> dict[str, float]:
     }
 
 
+def run_rounds(client: Path, model: Path, url: str, convs: Sequence[Path], stem: Path) -> dict[str, float]:
+    """The client once per conversation set against one server (``--mt-rounds``: more TTFT samples for the cost of
+    one server start): TTFT quantiles over every round's measured requests, the run the sum of the rounds' runs."""
+    rows: list[Any] = []
+    run_s = 0.0
+    for i, conv in enumerate(convs):
+        stats = stem.with_name(f"{stem.name}-{i}.json")
+        start = time.monotonic()
+        subprocess.run(client_argv(client, model, url, conv, stats), check=True,
+                       stdout=subprocess.DEVNULL, cwd=client, timeout=1200)  # fmt: skip
+        run_s += figures(stats, time.monotonic() - start)["run_s"]
+        rows += json.loads(stats.read_text())
+    merged = stem.with_name(f"{stem.name}-all.json")
+    merged.write_text(json.dumps(rows))
+    return figures(merged, run_s) | {"run_s": run_s}
+
+
 def run_multi_turn(configs: Sequence[str], args: Any, work: Path, server: Callable[..., Any]) -> list[dict[str, Any]]:
     """vLLM's multi-turn client against each configuration (a cache of :data:`CACHE_BLOCKS` blocks), alternated
     over ``args.repeats``; or one line saying why it was left out."""
@@ -163,7 +182,8 @@ def run_multi_turn(configs: Sequence[str], args: Any, work: Path, server: Callab
     add_chat_template(args.model)
     out: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
-        conv = conversations(work / f"conversations-{repeat}.json", seed=repeat)
+        rounds = max(1, int(getattr(args, "mt_rounds", 1)))
+        convs = [conversations(work / f"conversations-{repeat}-{i}.json", seed=repeat * 100 + i) for i in range(rounds)]
         order = list(configs) if repeat % 2 == 0 else list(configs)[::-1]
         for name in order:
             kv = kv_for(name, work / f"mt-store-{name}-{repeat}", args.redis_url, work / f"mt-stats-{name}-{repeat}")
@@ -173,15 +193,11 @@ def run_multi_turn(configs: Sequence[str], args: Any, work: Path, server: Callab
             srv = server(args.model, work / f"mt-{name}-{repeat}.log", kv, 512, tree, reserved, extra)
             try:
                 srv.wait_ready()
-                stats = work / f"mt-{name}-{repeat}.json"
-                start = time.monotonic()
-                subprocess.run(client_argv(fetched, args.model, srv.url, conv, stats), check=True,
-                               stdout=subprocess.DEVNULL, cwd=fetched, timeout=1200)  # fmt: skip
-                fig = figures(stats, time.monotonic() - start)
+                fig = run_rounds(fetched, args.model, srv.url, convs, work / f"mt-{name}-{repeat}")
             finally:
                 srv.stop()
             print(f"  multi-turn r{repeat} {name:15s} ttft p50 {fig['ttft_p50_ms']:.1f} p90 {fig['ttft_p90_ms']:.1f}"
-                  f" run {fig['run_s']:.1f} s, {fig['requests']:.0f} of {CONVERSATIONS * TURNS} requests answered",
+                  f" run {fig['run_s']:.1f} s, {fig['requests']:.0f} of {CONVERSATIONS * TURNS * rounds} answered",
                   file=sys.stderr)  # fmt: skip
             out.append({"config": name, "repeat": repeat, "multi_turn": fig})
     return out

@@ -10,6 +10,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from benchmarks.vllm.bench_serve_pooled import judge, pooled_table
+from benchmarks.vllm.bench_serve_stats import repeat_interval
+
 COLUMNS = (
     ("median_ttft_ms", "TTFT p50"),
     ("p90_ttft_ms", "TTFT p90"),
@@ -65,7 +68,8 @@ def table(doc: dict[str, Any]) -> str:
     loads = [p["load_avg_1m"] for r in doc["results"] for row in r.get("rows", {}).values() for p in row.values()]
     lines = [
         f"vllm serve + vLLM's bench serve client; {doc['cpus']} CPUs; {doc['minutes']} min; "
-        f"ratios to the do-nothing connector of the same repeat, median [min-max] over repeats",
+        f"ratios to the do-nothing connector of the same repeat, median [min-max] over repeats (vLLM's own per-pass"
+        f" figures; ITL there is per chunk: see POOLED below for per-token ITL)",
     ]
     if loads:
         lines.append(f"machine load (1-min load average at the passes): {min(loads):.1f}-{max(loads):.1f}")
@@ -89,6 +93,7 @@ def table(doc: dict[str, Any]) -> str:
         if isinstance(r["multi_turn"], str):
             lines.append(f"multi-turn {r['config']} r{r['repeat']}: {r['multi_turn']}")
     lines += multi_turn_table([r for r in extra if isinstance(r["multi_turn"], dict)])
+    lines += pooled_table(doc, int(doc.get("args", {}).get("boots", 300)))
     return "\n".join(lines)
 
 
@@ -102,7 +107,8 @@ def multi_turn_table(results: list[dict[str, Any]]) -> list[str]:
     by_repeat: dict[int, dict[str, dict[str, float]]] = {}
     for r in results:
         by_repeat.setdefault(r["repeat"], {})[r["config"]] = r["multi_turn"]
-    lines = ["", f"{'multi-turn (cache < conversations)':32s}" + "".join(f"{label:>20s}" for _, label, _ in MULTI_TURN)]
+    head = "".join(f"{label:>20s}" for _, label, _ in MULTI_TURN) + f"{'bar (t interval)':>20s}"
+    lines = ["", f"{'multi-turn (cache < conversations)':32s}" + head]
     base = [runs[BASELINE] for runs in by_repeat.values() if BASELINE in runs]
     if base:
         ms = "".join(f"{statistics.median(b[f] for b in base):.1f}{unit}".rjust(20) for f, _, unit in MULTI_TURN)
@@ -110,11 +116,14 @@ def multi_turn_table(results: list[dict[str, Any]]) -> list[str]:
     for config in dict.fromkeys(r["config"] for r in results):
         if config == BASELINE:
             continue
-        cells = []
+        cells, intervals = [], []
         for figure, _, _ in MULTI_TURN:
             values = [runs[config][figure] / runs[BASELINE][figure] for runs in by_repeat.values()
                       if config in runs and runs.get(BASELINE, {}).get(figure)]  # fmt: skip
             cells.append(f"{cell(values):>20s}")
+            intervals.append(repeat_interval(values))
+        limit = 1.0 if config.removesuffix("@before") in ("cpu_offload", "shared_storage") else None
+        cells.append(f"{'-' if limit is None else judge(intervals, limit):>20s}")
         lines.append(f"{'  ' + config:32s}" + "".join(cells))
     return lines
 
