@@ -26,7 +26,7 @@ lint: $(STAMP)
 	bash .ci/vllm-mypy.sh
 
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest -q --ignore=tests/real_vllm
+	$(BIN)/python -m pytest -q --ignore=tests/real_vllm -n 2 --dist loadfile
 
 test-vllm:
 	bash .ci/vllm-tests.sh
