@@ -28,3 +28,28 @@ def test_the_figures_count_the_measured_turns_only(tmp_path: Path) -> None:
     fig = figures(stats, 0.0)
     assert fig["requests"] == TURNS
     assert fig["run_s"] == (100.0 * TURNS + 5.0 - 100.0) / 1e3  # the last turn's request is not in the run
+
+
+def test_engine_means_are_the_mean_ms_of_the_requests_between_two_reads() -> None:
+    from benchmarks.vllm.bench_serve_multi_turn import engine_means
+
+    names = ("vllm:request_prefill_time_seconds", "vllm:request_inference_time_seconds")
+    before = {f"{names[0]}_sum": 1.0, f"{names[0]}_count": 10.0, f"{names[1]}_sum": 2.0, f"{names[1]}_count": 10.0}
+    after = {f"{names[0]}_sum": 1.5, f"{names[0]}_count": 20.0, f"{names[1]}_sum": 2.0, f"{names[1]}_count": 10.0}
+    assert engine_means(before, after) == {"engine_prefill_ms": 50.0}  # no request finished: no inference mean
+
+
+def test_the_engines_columns_are_shown_but_the_bar_is_on_the_clients_figures() -> None:
+    from benchmarks.vllm.bench_serve_report import multi_turn_table
+
+    base = {"ttft_p50_ms": 10.0, "ttft_p90_ms": 20.0, "run_s": 4.0, "engine_prefill_ms": 5.0, "engine_request_ms": 9.0}
+    fast = {k: v * (0.8 if k in ("ttft_p50_ms", "ttft_p90_ms", "run_s") else 1.5) for k, v in base.items()}
+    results = [
+        {"config": c, "repeat": r, "multi_turn": {k: v * (1 + 0.01 * r) for k, v in fig.items()}}
+        for r in range(3)
+        for c, fig in (("noop", base), ("cpu_offload", fast))
+    ]
+    lines = multi_turn_table(results)
+    assert "engine prefill" in lines[1] and "engine request" in lines[1]
+    row = next(line for line in lines if line.strip().startswith("cpu_offload"))
+    assert "1.50 [1.50-1.50]" in row and row.endswith("pass (<= 1.0)")

@@ -53,6 +53,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.vllm.bench_serve_pin import allow_all, pin_server
 from benchmarks.vllm.bench_serve_pooled import engine_cpu_s
 from benchmarks.vllm.bench_serve_report import table
 from benchmarks.vllm.bench_serve_stats import (
@@ -70,7 +71,7 @@ from tests.real_vllm.vllm_support import BLOCK_SIZE, kv_config, make_tiny_llama,
 
 ROOT = Path(__file__).resolve().parents[2]
 BEFORE = "@before"  # the same configuration with kvdi from --before-tree
-CONFIGS = ("none", "noop", "example", "null", "shared_storage", "cpu_offload", "redis")
+CONFIGS = ("none", "noop", "noop2", "example", "null", "shared_storage", "cpu_offload", "redis")  # noop2: A/A twin
 PASSES = ("cold", "hit", "load")
 KVDI_CONFIGS = ("null", "shared_storage", "cpu_offload", "redis")
 START_TIMEOUT_S = 600
@@ -95,13 +96,16 @@ def client_priority() -> str:
 
 
 SERVER_PRIORITY = [BASE_PRIORITY]  # --server-priority: the servers' niceness (set before they start)
+PIN = [False]  # --pin: each ready server's processes placed the same way (:mod:`.bench_serve_pin`)
 
 
 def server_priority() -> None:
     """The started server's niceness (``--server-priority``, the client's by default): a server at the base
-    priority on a busy machine sent each request's tokens in one burst at its end (its API server scheduled late)."""
+    priority on a busy machine sent each request's tokens in one burst at its end (its API server scheduled late).
+    Every core allowed again (``--pin`` may have pinned the client)."""
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, 0, SERVER_PRIORITY[0])
+    allow_all()
 
 
 def kv_for(name: str, store: Path, redis_url: str, stats: Path) -> dict[str, Any] | None:
@@ -109,7 +113,7 @@ def kv_for(name: str, store: Path, redis_url: str, stats: Path) -> dict[str, Any
     name = name.removesuffix(BEFORE)
     if name == "none":
         return None
-    if name == "noop":
+    if name in ("noop", "noop2"):  # noop2: the same connector, a second name for an A/A run (the noise floor)
         return {**NOOP, "kv_role": "kv_both"}
     if name == "example":
         extra = {"shared_storage_path": str(store / "example")}
@@ -165,6 +169,8 @@ class Server:
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
             with contextlib.suppress(OSError), urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
                 if reply.status == 200:
+                    if PIN[0]:
+                        print(f"  {pin_server(os.getpgid(self.proc.pid))}", file=sys.stderr)
                     return
             time.sleep(0.5)
         raise RuntimeError(f"vllm serve not ready after {START_TIMEOUT_S}s:\n{self.log_tail()}")
@@ -308,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         help="log stats on, vLLM's inter-token histogram read around each pass (--no-server-itl: log stats off)",
     )
     parser.add_argument("--settle-s", type=float, default=1.0)
+    pin_help = "API server, engine core and client on the cores the worker leaves (see bench_serve_pin.py)"
+    parser.add_argument("--pin", action="store_true", help=pin_help)
     parser.add_argument("--full", action="store_true", help="both datasets, concurrency 1, 4 and 16, 3 repeats")
     parser.add_argument(
         "--reserved-cpus",
@@ -340,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     patch_version()
     priority = client_priority()
     SERVER_PRIORITY[0] = args.server_priority
+    PIN[0] = args.pin
     priority = priority.replace(f"servers at {BASE_PRIORITY}", f"servers at {args.server_priority}")
     print(priority, file=sys.stderr)
     from kvdi.testing.redis_server import RedisServer

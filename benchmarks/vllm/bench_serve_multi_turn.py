@@ -167,6 +167,34 @@ def run_rounds(client: Path, model: Path, url: str, convs: Sequence[Path], stem:
     return figures(merged, run_s) | {"run_s": run_s}
 
 
+ENGINE_TIMES = ("vllm:request_prefill_time_seconds", "vllm:request_inference_time_seconds")
+
+
+def engine_times(url: str) -> dict[str, float]:
+    """vLLM's engine-side request times so far (log stats on): ``<metric>_sum`` and ``_count`` of each of
+    :data:`ENGINE_TIMES` (prefill: scheduled to first token; inference: scheduled to finished)."""
+    from benchmarks.vllm.bench_serve_stats import itl_histogram
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = {}
+    for metric in ENGINE_TIMES:
+        hist = itl_histogram(text, metric)
+        out |= {f"{metric}_sum": hist.get("sum", 0.0), f"{metric}_count": hist.get("count", 0.0)}
+    return out
+
+
+def engine_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean engine-side prefill and request time (ms) of the requests between ``before`` and ``after``: the
+    server's own share of TTFT and latency, without the client processes' (4 of them here, on the same cores)."""
+    out = {}
+    for metric, key in zip(ENGINE_TIMES, ("engine_prefill_ms", "engine_request_ms"), strict=True):
+        count = after[f"{metric}_count"] - before[f"{metric}_count"]
+        if count > 0:
+            out[key] = (after[f"{metric}_sum"] - before[f"{metric}_sum"]) / count * 1e3
+    return out
+
+
 def run_multi_turn(configs: Sequence[str], args: Any, work: Path, server: Callable[..., Any]) -> list[dict[str, Any]]:
     """vLLM's multi-turn client against each configuration (a cache of :data:`CACHE_BLOCKS` blocks), alternated
     over ``args.repeats``; or one line saying why it was left out."""
@@ -190,10 +218,12 @@ def run_multi_turn(configs: Sequence[str], args: Any, work: Path, server: Callab
             reserved = None if args.reserved_cpus < 0 else args.reserved_cpus
             extra = ("--num-gpu-blocks-override", str(CACHE_BLOCKS))
             tree = args.before_tree if name.endswith("@before") else ROOT
-            srv = server(args.model, work / f"mt-{name}-{repeat}.log", kv, 512, tree, reserved, extra)
+            srv = server(args.model, work / f"mt-{name}-{repeat}.log", kv, 512, tree, reserved, extra, True)
             try:
                 srv.wait_ready()
+                before = engine_times(srv.url)
                 fig = run_rounds(fetched, args.model, srv.url, convs, work / f"mt-{name}-{repeat}")
+                fig |= engine_means(before, engine_times(srv.url))
             finally:
                 srv.stop()
             print(f"  multi-turn r{repeat} {name:15s} ttft p50 {fig['ttft_p50_ms']:.1f} p90 {fig['ttft_p90_ms']:.1f}"

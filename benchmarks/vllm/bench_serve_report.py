@@ -52,6 +52,10 @@ def cell(values: list[float]) -> str:
     return f"{median:.2f} [{min(values):.2f}-{max(values):.2f}]" if len(values) > 1 else f"{median:.2f}"
 
 
+def absolute(values: list[float], unit: str) -> str:
+    return f"{statistics.median(values):.1f}{unit}" if values else "n/a"
+
+
 def baseline_ms(doc: dict[str, Any], key: str, phase: str, figure: str) -> str:
     values = [
         r["rows"][key][phase][figure]
@@ -98,6 +102,7 @@ def table(doc: dict[str, Any]) -> str:
 
 
 MULTI_TURN = (("ttft_p50_ms", "TTFT p50", " ms"), ("ttft_p90_ms", "TTFT p90", " ms"), ("run_s", "run", " s"))
+ENGINE = (("engine_prefill_ms", "engine prefill", " ms"), ("engine_request_ms", "engine request", " ms"))  # no bar
 
 
 def multi_turn_table(results: list[dict[str, Any]]) -> list[str]:
@@ -107,21 +112,23 @@ def multi_turn_table(results: list[dict[str, Any]]) -> list[str]:
     by_repeat: dict[int, dict[str, dict[str, float]]] = {}
     for r in results:
         by_repeat.setdefault(r["repeat"], {})[r["config"]] = r["multi_turn"]
-    head = "".join(f"{label:>20s}" for _, label, _ in MULTI_TURN) + f"{'bar (t interval)':>20s}"
+    shown = [*MULTI_TURN, *(f for f in ENGINE if any(f[0] in r["multi_turn"] for r in results))]
+    head = "".join(f"{label:>20s}" for _, label, _ in shown) + f"{'bar (t interval)':>20s}"
     lines = ["", f"{'multi-turn (cache < conversations)':32s}" + head]
     base = [runs[BASELINE] for runs in by_repeat.values() if BASELINE in runs]
     if base:
-        ms = "".join(f"{statistics.median(b[f] for b in base):.1f}{unit}".rjust(20) for f, _, unit in MULTI_TURN)
+        ms = "".join(absolute([b[f] for b in base if f in b], unit).rjust(20) for f, _, unit in shown)
         lines.append(f"{'  noop (absolute)':32s}{ms}")
     for config in dict.fromkeys(r["config"] for r in results):
         if config == BASELINE:
             continue
         cells, intervals = [], []
-        for figure, _, _ in MULTI_TURN:
+        for figure, _, _ in shown:
             values = [runs[config][figure] / runs[BASELINE][figure] for runs in by_repeat.values()
-                      if config in runs and runs.get(BASELINE, {}).get(figure)]  # fmt: skip
+                      if figure in runs.get(config, {}) and runs.get(BASELINE, {}).get(figure)]  # fmt: skip
             cells.append(f"{cell(values):>20s}")
             intervals.append(repeat_interval(values))
+        intervals = intervals[: len(MULTI_TURN)]  # the bar is on the client's figures; the engine's explain them
         limit = 1.0 if config.removesuffix("@before") in ("cpu_offload", "shared_storage") else None
         cells.append(f"{'-' if limit is None else judge(intervals, limit):>20s}")
         lines.append(f"{'  ' + config:32s}" + "".join(cells))

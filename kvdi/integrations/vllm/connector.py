@@ -329,8 +329,9 @@ class KvdiConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unuse
         delta, extra = self._deltas.deltas()
         counters = self._fleet_counters
         missed = counters.lookup_miss_blocks != counters.reported_misses
-        if not (delta or extra or missed) and counters.unmoved_is_empty:
-            return None  # the scheduler's idle step: nothing read past the counters' two tuples
+        moved = counters.moved_by is not None and counters.moved_by.count != counters.moves_seen  # a breaker moved
+        if not (delta or extra or missed or moved) and counters.unmoved_is_empty:
+            return None  # the scheduler's idle step: nothing read past the counters' two tuples (and one breaker count)
         entry = counters.entry({**delta, **extra} if delta and extra else delta or extra)
         if not (delta or extra or entry):
             return None

@@ -95,16 +95,20 @@ class FleetCounters:
         self._health = health_checks(half.store) if isinstance(half, StoreHalf) else []
         moves = breaker_moves(half.store) if self._health and isinstance(half, StoreHalf) else []
         self._moves = tuple(moves or ())  # read at each entry: the breakers are read only when their sum moved
-        self._moves_seen = -1 if self._moves else 0  # their sum at the last read of the breakers (-1: never read)
+        self.moves_seen = -1 if self._moves else 0  # their sum at the last read of the breakers (-1: never read)
+        # The one move count covering every breaker (a Redis server's): the adapter reads it itself, no call made.
+        self.moved_by = self._moves[0] if len(self._moves) == 1 else None
         rule = getattr(half, "deadline", None)
         self._deadline = rule if isinstance(rule, DeadlineRule) and rule.enabled else None
-        self._gauges_due = bool(self._gauged is not None or self._deadline is not None or self._health)
         # Gauges that move with no sign here: the deadline's estimates (the prober's thread), a store's health that no
         # move count covers. They are read at every entry.
         self._unsignalled = self._deadline is not None or (bool(self._health) and moves is None)
         self._polled = self._unsignalled or self._gauged is not None  # read every step (a subclass may know better)
-        # No counter moved, no miss counted since the last entry: this entry is None (a subclass may add more).
-        self.unmoved_is_empty = type(self) is FleetCounters and not self._gauges_due
+        # No counter moved, no miss counted and (``moved_by``) no breaker moved since the last entry: this entry is
+        # None (a subclass may add more).
+        quiet_health = not self._health or (not self._polled and len(self._moves) == 1)
+        due = self._gauged is not None or self._deadline is not None or not quiet_health
+        self.unmoved_is_empty = type(self) is FleetCounters and not due
 
     def looked_up(self, prompt_tokens: int, num_computed_tokens: int, matched_tokens: int, block_size: int) -> None:
         """Count the blocks a lookup asked for and did not get (scheduler role)."""
@@ -117,9 +121,9 @@ class FleetCounters:
         moves = 0
         for counted in self._moves:  # read before the breakers: a move after this read is seen at the next entry
             moves += counted.count
-        if not (delta or self._polled or self.lookup_miss_blocks != self.reported_misses or moves != self._moves_seen):
+        if not (delta or self._polled or self.lookup_miss_blocks != self.reported_misses or moves != self.moves_seen):
             return None
-        self._moves_seen = moves
+        self.moves_seen = moves
         return self._entry(delta)
 
     def _entry(self, delta: dict[str, int | float] | None) -> dict[str, Any] | None:

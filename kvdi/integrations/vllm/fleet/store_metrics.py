@@ -90,12 +90,12 @@ class StoreCounters(FleetCounters):
             and self.evicted_blocks == self._reported_evicted
             and self.lookup_miss_blocks == self.reported_misses
             and (epochs is None or epochs.gauge_epoch == self._epoch)
-            and moves == self._moves_seen
+            and moves == self.moves_seen
         ):
             return None
         if epochs is not None:
             self._epoch = epochs.gauge_epoch
-        self._moves_seen = moves
+        self.moves_seen = moves
         out = self._entry(delta) or {}
         evicted = self.evicted_blocks - self._reported_evicted
         if evicted:
