@@ -63,6 +63,16 @@ def refuse_group(layout: KVCacheSpec) -> None:
         )
 
 
+def refuse_compression(option: str, compression: str, compressor: object | None) -> None:
+    """Raise ConfigError, in one line naming ``option`` (``KVDI_REDIS``, ``KVDI_S3``), for a store of canonical
+    sections with a ``compressor`` (set from ``compression``): sections are stored uncompressed."""
+    if compressor is not None:
+        raise ConfigError(
+            f"{option}__COMPRESSION={compression!r} with {option}__FORMAT=canonical: canonical sections "
+            "are stored uncompressed; set compression none or format per_rank"
+        )
+
+
 def geometry_of(layout: KVCacheSpec, section_layers: int = 0, section_heads: int = 1) -> tuple[Geometry, RankPart]:
     """The model's :class:`Geometry` and this process's :class:`RankPart`, read from ``layout`` (see above).
 
@@ -71,6 +81,11 @@ def geometry_of(layout: KVCacheSpec, section_layers: int = 0, section_heads: int
     its fingerprint never lets one group's sections load into another's. Raises ConfigError for a group of
     state pages (Mamba, linear attention: no KV heads to section) and for a PP stage's share of a group."""
     refuse_group(layout)
+    return _grid_of(layout, section_layers, section_heads)
+
+
+def _grid_of(layout: KVCacheSpec, section_layers: int, section_heads: int) -> tuple[Geometry, RankPart]:
+    """:func:`geometry_of` for a layout already past :func:`refuse_group`."""
     found = _PART.search(layout.model_id)
     model_id = layout.model_id[: found.start()] if found else layout.model_id
     if layout.group:
@@ -104,7 +119,7 @@ def canonical_object_bytes(
     Raises ConfigError, in one line, for a grid that does not divide the model or this rank's share."""
     refuse_group(layout)  # its own line, before the grid's
     try:
-        geometry, part = geometry_of(layout, *grid)
+        geometry, part = _grid_of(layout, *grid)
         write_plan(geometry, part)
     except ValueError as exc:
         raise ConfigError(f"{option}__SECTION_LAYERS={grid[0]} / __SECTION_HEADS={grid[1]}: {exc}") from None
@@ -290,4 +305,12 @@ def _scatter(data: bytes, pieces: Sequence[memoryview]) -> None:
         offset += piece.nbytes
 
 
-__all__ = ["TAG", "CanonicalBlockStore", "canonical_object_bytes", "geometry_of", "part_tag", "refuse_group"]
+__all__ = [
+    "TAG",
+    "CanonicalBlockStore",
+    "canonical_object_bytes",
+    "geometry_of",
+    "part_tag",
+    "refuse_compression",
+    "refuse_group",
+]
