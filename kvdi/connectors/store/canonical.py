@@ -28,7 +28,7 @@ from kvdi.errors import ConfigError
 from kvdi.layout import DTYPE_BYTES
 
 MAGIC = b"KVDC"
-CANONICAL_VERSION = 2  # 2: payload order LNHKD (1 was LKHTD: now a ``version`` miss)
+CANONICAL_VERSION = 3  # 3: sections in packs (2: one section an object; 1: order LKHTD): else a ``version`` miss
 ORDER_LNHKD = 2  # payload order: layer, token, head, K/V, dim (vLLM's GPU block order: no conversion there)
 FLAG_MAC = 1
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
