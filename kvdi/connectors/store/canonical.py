@@ -227,6 +227,12 @@ def _fields(geometry: Geometry, section: Section, name: Buffer, flags: int, leng
     )  # fmt: skip
 
 
+def checked_fields(geometry: Geometry, section: Section, name: Buffer) -> bytes:
+    """The first 88 bytes of an unkeyed header :func:`frame_section` writes (what its checksum covers besides the
+    payload): a reader compares them whole, then checks the checksum (:func:`verify_section` tells why not)."""
+    return _CHECKED.pack(*_fields(geometry, section, name, 0, geometry.section_bytes(section)))
+
+
 def _pieces(payload: Buffer | Sequence[Buffer]) -> list[Buffer]:
     """A payload given whole or as pieces (e.g. one run of each layer's buffer), as pieces."""
     if isinstance(payload, bytes | bytearray | memoryview):
@@ -375,6 +381,7 @@ __all__ = [
     "Geometry",
     "RankPart",
     "Section",
+    "checked_fields",
     "declared_section",
     "frame_kind",
     "frame_section",
