@@ -108,9 +108,9 @@ def measure(rounds: int = 6, blocks: int = 32, heads: int = 1, order: str = "nhc
         for op in OPS:
             times: dict[str, list[float]] = {f: [] for f in sides}
             for r in range(rounds):
-                order = list(sides) if r % 4 in (0, 3) else list(sides)[::-1]  # ABBA BAAB
+                turn = list(sides) if r % 4 in (0, 3) else list(sides)[::-1]  # ABBA BAAB
                 fresh = _keys(blocks, r + 1) if op == "save" else keys
-                for f in order:
+                for f in turn:
                     times[f].append(_timed(sides[f], fresh, op != "load"))
                 keys = fresh
             ratios = tuple(c / p for c, p in zip(times["canonical"], times["per_rank"], strict=True))
