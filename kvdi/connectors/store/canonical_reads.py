@@ -169,8 +169,13 @@ class RangeReader:
 
     def _odd(self, name: bytes) -> str:
         """Why an object of the wrong size is no pack: ``old_format`` for a per-rank frame, else ``length``."""
+        ranged = getattr(self.store, "get_range_into_many", None)
         try:
-            (buf,) = self.store.get_many([name])
+            if callable(ranged):  # its first 4 bytes only (a file of any size under the name)
+                head = memoryview(bytearray(4))
+                buf: Buffer | None = head if ranged([(name, 0, [head])])[0] else None
+            else:
+                (buf,) = self.store.get_many([name])
         except Exception:
             return "length"
         return "old_format" if buf is not None and bytes(memoryview(buf).cast("B")[:4]) == PER_RANK_MAGIC else "length"
