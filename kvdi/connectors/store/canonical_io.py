@@ -85,6 +85,8 @@ class CanonicalRank(RangeReader):
         converted through a staging buffer."""
         self.read_runs = direct_runs(geometry, part, order, reads)
         """The same for the sections read (:meth:`load_direct`)."""
+        self._write_cuts = self._cuts(self.writes, self.write_runs)
+        self._read_cuts = self._cuts(reads, self.read_runs)
 
     def object_bytes(self) -> int:
         """The bytes of one framed section in a pack (uniform: the grid divides the model)."""
@@ -100,7 +102,7 @@ class CanonicalRank(RangeReader):
             return 0
         g = self.geometry
         if self.write_runs is not None:  # no conversion: each section's bytes of a layer are one run of it
-            payloads = [self._runs(layers, self.writes, self.write_runs) for _, layers in blocks]
+            payloads = [self._runs(layers, self._write_cuts) for _, layers in blocks]
         else:
             payloads = self._packed(blocks)
         items: list[tuple[bytes, Sequence[Buffer]]] = []
@@ -131,14 +133,18 @@ class CanonicalRank(RangeReader):
             out.append(sections)
         return out
 
-    def _runs(self, layers: Layers, sections: Sequence[Section], offsets: Sequence[int]) -> list[list[memoryview]]:
-        """Each of ``sections`` as its runs in ``layers`` (one a layer it covers, at its offset there)."""
+    def _runs(self, layers: Layers, cuts: Sequence[tuple[range, int, int]]) -> list[list[memoryview]]:
+        """Each section of ``cuts`` (:meth:`_cuts`) as its runs in ``layers`` (one a layer it covers)."""
         views = [layer_bytes(layer) for layer in layers]
+        return [[views[i][offset:end] for i in rows] for rows, offset, end in cuts]
+
+    def _cuts(self, sections: Sequence[Section], offsets: Sequence[int] | None) -> list[tuple[range, int, int]]:
+        """Each of ``sections``' layers (indices into the rank's) and its byte range (one run) in each of them."""
         out = []
-        for section, offset in zip(sections, offsets, strict=True):
+        for section, offset in zip(sections, offsets or (), strict=False):
             size = self.geometry.section_bytes(section) // section.layer_count
             first = section.layer_start - self.part.layer_start
-            out.append([views[i][offset : offset + size] for i in range(first, first + section.layer_count)])
+            out.append((range(first, first + section.layer_count), offset, offset + size))
         return out
 
     def count_prefix(self, block_keys: Sequence[bytes]) -> int:
@@ -169,7 +175,7 @@ class CanonicalRank(RangeReader):
         keys = [k for k, _ in blocks]
         stage = self._staging.get("load", len(keys) * len(self.reads) * HEADER_SIZE)
         headers = [stage[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(len(keys) * len(self.reads))]
-        payloads = [run for _, layers in blocks for run in self._runs(layers, self.reads, self.read_runs)]
+        payloads = [run for _, layers in blocks for run in self._runs(layers, self._read_cuts)]
         return self.read_blocks(keys, headers, payloads)
 
     def load(self, blocks: Sequence[tuple[bytes, Layers]]) -> int:

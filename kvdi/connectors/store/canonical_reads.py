@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from kvdi.connectors.store.canonical import HEADER_SIZE, Geometry, Section, checked_fields, verify_section
-from kvdi.connectors.store.canonical_pack import Span, pack_bytes
+from kvdi.connectors.store.canonical_pack import Span, frame_bytes, pack_bytes
 from kvdi.connectors.store.framing import MAGIC as PER_RANK_MAGIC
-from kvdi.connectors.store.framing import Buffer, CorruptObjectError, FrameKey
+from kvdi.connectors.store.framing import Buffer, CorruptObjectError, FrameKey, name_field
 
 if TYPE_CHECKING:
     from kvdi.connectors.store.protocol import BlockStore
@@ -43,6 +43,8 @@ class RangeReader:
         self.read_bytes = 0
         self.hint = 0
         """The plan (pack size) that found blocks last: tried first."""
+        self._frame = frame_bytes(geometry)
+        self._checked = [checked_fields(geometry, s, bytes(16)) for s in reads]  # with the name field zero
 
     def _order(self) -> list[int]:
         return [self.hint, *(i for i in range(len(self.plans)) if i != self.hint)]
@@ -109,21 +111,23 @@ class RangeReader:
     def _read(self, reads: list[Read], plan: list[Span]) -> list[int | bool | None]:
         """Each range read into its pieces: the pack's size (None: absent), still to be checked, or, where read
         whole by ``get_many``, whether its sections verified (checked in the pack the store returned and copied
-        into the pieces only when valid). A range that is the whole pack goes through ``get_into_many`` where the
-        store has it (Redis: the socket's bytes land in place), a part of one through ``get_range_into_many``
-        (shared_storage: one ``preadv``); other stores read the pack whole."""
+        into the pieces only when valid). Ranges go through ``get_range_into_many`` where the store has it
+        (shared_storage: one ``preadv``); else a range that is the whole pack through ``get_into_many`` (Redis: the
+        socket's bytes land in place); other reads take the pack whole."""
         sizes: list[int | bool | None] = [None] * len(reads)
         whole: list[int] = []
         part: list[int] = []
         rest: list[int] = []
         into = getattr(self.store, "get_into_many", None)
         ranged = getattr(self.store, "get_range_into_many", None)
-        for n, (_, offset, pieces) in enumerate(reads):
+        for n, (_, offset, _) in enumerate(reads):
             span = plan[n % len(plan)]
-            if callable(into) and offset == 0 and sum(p.nbytes for p in pieces) == pack_bytes(self.geometry, span.pack):
+            if callable(ranged):  # shared_storage: a preadv of the range, whole pack or part
+                part.append(n)
+            elif callable(into) and offset == 0 and span.count * self.geometry.section_heads == span.pack.head_count:
                 whole.append(n)
             else:
-                (part if callable(ranged) else rest).append(n)
+                rest.append(n)
         if whole:
             assert callable(into)
             self._fill(sizes, whole, into([(reads[n][0], reads[n][2]) for n in whole]))
@@ -185,16 +189,17 @@ class RangeReader:
     ) -> bool:
         """Whether the sections of ``span`` read from pack ``name`` (of ``size`` bytes) are valid; the first
         bad one's reason counted and the pack discarded (never offered again)."""
-        self.read_bytes += sum(h.nbytes + sum(p.nbytes for p in ps) for h, ps in zip(headers, payloads, strict=True))
+        self.read_bytes += span.count * self._frame
         try:
             expected = pack_bytes(self.geometry, span.pack)
             if size != expected:
                 raise CorruptObjectError(self._odd(name), f"object of {size} B, a pack of {span.pack} is {expected} B")
+            field = name_field(name)
             for i, (header, payload) in enumerate(zip(headers, payloads, strict=True)):
-                section = self.reads[span.first + i]
-                if self.key is None and _sound(header, payload, checked_fields(self.geometry, section, name)):
+                zero = self._checked[span.first + i]
+                if self.key is None and _sound(header, payload, zero[:24] + field + zero[40:]):
                     continue  # every field as expected and the checksum right: what verify_section checks, faster
-                verify_section(header, payload, self.geometry, section, self.key, name=name)
+                verify_section(header, payload, self.geometry, self.reads[span.first + i], self.key, name=name)
         except CorruptObjectError as exc:
             self.misses[exc.reason] += 1
             try:
