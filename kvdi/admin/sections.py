@@ -56,7 +56,7 @@ def section_format(name: str, head: bytes) -> str | None:
 
 
 def group_of(fmt: str, head: bytes) -> str:
-    """The ``stats`` row of a section: ``canonical:<fingerprint>`` (``canonical_v1:<fingerprint>`` for version 1)."""
+    """The ``stats`` row of a pack: ``canonical:<fingerprint>`` (``canonical_v<N>:<fingerprint>`` for version N)."""
     return f"{fmt}:{section_identity(head)[1].hex()}"
 
 
