@@ -1,14 +1,14 @@
-"""Canonical sections (``format=canonical``, docs/stored-format.md) as ``kvdi store`` sees them.
+"""Canonical packs (``format=canonical``, docs/stored-format.md) as ``kvdi store`` sees them.
 
-An object is a canonical pack kvdi wrote (one or more framed sections of one writer rank, docs/stored-format.md)
-when its first 128 bytes are a whole canonical header
-(magic ``KVDC``) whose name field is the object's own name: the binding every load checks, so
-another application's value that happens to open with the magic, or a section copied under
-another name, is never taken for one (it is foreign: listed, never removed). A section of
-another format version (1: payload order ``LKHTD``, which a load counts as a ``version`` miss) is
-kvdi's too, told apart by :func:`section_format`. ``verify`` checks a section as a load would,
-against itself (:func:`check_section_streamed`: a store holds every model's sections), reusing
-the loader's own checks in :mod:`kvdi.connectors.store.canonical`.
+An object is a canonical pack kvdi wrote (one or more framed sections of one writer rank) when its
+first 128 bytes are a whole canonical header (magic ``KVDC``) whose name field is the object's own
+name: the binding every load checks, so another application's value that happens to open with the
+magic, or a pack copied under another name, is never taken for one (it is foreign: listed, never
+removed). An object of another format version (2: one section an object; 1: payload order
+``LKHTD``; a load counts either as a ``version`` miss) is kvdi's too, told apart by
+:func:`section_format`. ``verify`` checks each section of a pack as a load would, against itself
+(:func:`check_section_streamed`: a store holds every model's packs), reusing the loader's own
+checks in :mod:`kvdi.connectors.store.canonical`.
 """
 
 from __future__ import annotations
