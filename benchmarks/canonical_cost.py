@@ -5,8 +5,8 @@ kvdi's real store worker half saves and loads the same 1 MiB blocks (8 layers x 
 ``format=per_rank`` and once with ``format=canonical`` (``section_heads``, the third argument, KV heads per
 section: 1 by default, 8 for one section a block). Rounds alternate ABBA, BAAB; printed: each side's median,
 the ratio canonical / per_rank of the medians, and the lowest and highest per-round ratio. Warm page cache.
-Arguments: ``[rounds] [blocks] [heads]``. The measuring lives in :mod:`kvdi.bench.canonical` (``kvdi bench
-canonical`` runs both grids).
+Arguments: ``[rounds] [blocks] [heads] [order]`` (order ``nhc`` or ``hnc``). The measuring lives in
+:mod:`kvdi.bench.canonical` (``kvdi bench canonical`` runs both grids).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import sys
 from kvdi.bench.canonical import measure
 
 
-def main(rounds: int = 6, blocks: int = 32, heads: int = 1) -> None:
-    for cost in measure(rounds, blocks, heads):
+def main(rounds: int = 6, blocks: int = 32, heads: int = 1, order: str = "nhc") -> None:
+    for cost in measure(rounds, blocks, heads, order):
         print(
-            f"{cost.op} (section_heads={heads}): per_rank {cost.per_rank * 1e3:.1f} ms, "
+            f"{cost.op} (section_heads={heads}, {order}): per_rank {cost.per_rank * 1e3:.1f} ms, "
             f"canonical {cost.canonical * 1e3:.1f} ms ({blocks} x 1 MiB); canonical/per_rank {cost.ratio:.2f}x "
             f"(per round {min(cost.ratios):.2f}-{max(cost.ratios):.2f}x, {rounds} rounds)"
         )
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:4]))
+    main(*(int(a) for a in sys.argv[1:4]), *sys.argv[4:5])

@@ -11,8 +11,8 @@ def test_measure_times_save_resave_and_load_on_both_formats() -> None:
     assert all(c.per_rank > 0 and c.canonical > 0 and len(c.ratios) == 2 for c in costs)
 
 
-def test_run_quick_reports_both_grids_and_targets_only_one_section_a_block() -> None:
+def test_run_quick_reports_both_grids_each_against_the_bar() -> None:
     rows = run(quick=True)
     assert len(rows) == 2 * len(OPS)
     targeted = {r.metric for r in rows if r.target is not None}
-    assert targeted == {f"{op} (a section a block)" for op in OPS}
+    assert targeted == {f"{op} (a section a {unit})" for op in OPS for unit in ("block", "head")}

@@ -1,13 +1,14 @@
-"""Canonical sections (``format=canonical``, docs/stored-format.md) as ``kvdi store`` sees them.
+"""Canonical packs (``format=canonical``, docs/stored-format.md) as ``kvdi store`` sees them.
 
-An object is a canonical section kvdi wrote when its first 128 bytes are a whole canonical header
-(magic ``KVDC``) whose name field is the object's own name: the binding every load checks, so
-another application's value that happens to open with the magic, or a section copied under
-another name, is never taken for one (it is foreign: listed, never removed). A section of
-another format version (1: payload order ``LKHTD``, which a load counts as a ``version`` miss) is
-kvdi's too, told apart by :func:`section_format`. ``verify`` checks a section as a load would,
-against itself (:func:`check_section_streamed`: a store holds every model's sections), reusing
-the loader's own checks in :mod:`kvdi.connectors.store.canonical`.
+An object is a canonical pack kvdi wrote (one or more framed sections of one writer rank) when its
+first 128 bytes are a whole canonical header (magic ``KVDC``) whose name field is the object's own
+name: the binding every load checks, so another application's value that happens to open with the
+magic, or a pack copied under another name, is never taken for one (it is foreign: listed, never
+removed). An object of another format version (2: one section an object; 1: payload order
+``LKHTD``; a load counts either as a ``version`` miss) is kvdi's too, told apart by
+:func:`section_format`. ``verify`` checks each section of a pack as a load would, against itself
+(:func:`check_section_streamed`: a store holds every model's packs), reusing the loader's own
+checks in :mod:`kvdi.connectors.store.canonical`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvdi.connectors.store.canonical import (
     CANONICAL_VERSION,
     HEADER_SIZE,
     MAGIC,
+    Section,
     declared_section,
     section_identity,
     verify_section,
@@ -54,16 +56,16 @@ def section_format(name: str, head: bytes) -> str | None:
 
 
 def group_of(fmt: str, head: bytes) -> str:
-    """The ``stats`` row of a section: ``canonical:<fingerprint>`` (``canonical_v1:<fingerprint>`` for version 1)."""
+    """The ``stats`` row of a pack: ``canonical:<fingerprint>`` (``canonical_v<N>:<fingerprint>`` for version N)."""
     return f"{fmt}:{section_identity(head)[1].hex()}"
 
 
-def _chunks(admin: StoreAdmin, obj: StoreObject, chunk: int) -> Iterator[bytes]:
-    """The payload of ``obj`` in pieces of at most ``chunk`` bytes (one in memory at a time); CorruptObjectError
-    ``vanished`` or ``length`` when the store has less than its size."""
-    offset = HEADER_SIZE
-    while offset < obj.size:
-        want = min(chunk, obj.size - offset)
+def _chunks(admin: StoreAdmin, obj: StoreObject, chunk: int, start: int, end: int) -> Iterator[bytes]:
+    """Bytes ``start`` .. ``end`` of ``obj`` in pieces of at most ``chunk`` bytes (one in memory at a time);
+    CorruptObjectError ``vanished`` or ``length`` when the store has less than its size."""
+    offset = start
+    while offset < end:
+        want = min(chunk, end - offset)
         (piece,) = admin.read_many([obj], offset, want)
         if piece is None:
             raise CorruptObjectError("vanished", "removed while it was read")
@@ -76,22 +78,29 @@ def _chunks(admin: StoreAdmin, obj: StoreObject, chunk: int) -> Iterator[bytes]:
 def check_section_streamed(
     admin: StoreAdmin, obj: StoreObject, head: bytes, key: FrameKey | None, max_object_bytes: int, chunk: int
 ) -> str | None:
-    """Why the canonical section ``obj`` (``head``: its first bytes) would not load, or None when it would.
+    """Why the canonical pack ``obj`` (``head``: its first bytes) would not load, or None when it would.
 
-    Every header field is checked as a load checks it (magic, version, flags, name, the section's
-    ranges a cell of the model's grid, the declared length against the object's size), then its
-    checksum or, with ``key``, its MAC over the payload streamed in ``chunk`` pieces; any model is
-    valid (the fingerprint a load compares with its own is unknown here)."""
+    A pack is one or more framed sections of consecutive heads (its size says how many; they must make a pack
+    a writer can write: a head count dividing the model's, aligned). Every header field of each is checked as a
+    load checks it (magic, version, flags, name, the section's ranges a cell of the model's grid, the declared
+    length), then its checksum or, with ``key``, its MAC over the payload streamed in ``chunk`` pieces; any
+    model is valid (the fingerprint a load compares with its own is unknown here)."""
     if obj.size > max_object_bytes:
         return "oversize"
     try:
-        fingerprint, geometry, section = declared_section(head)
-        if obj.size != HEADER_SIZE + geometry.section_bytes(section):
+        fingerprint, geometry, first = declared_section(head)
+        frame = HEADER_SIZE + geometry.section_bytes(first)
+        heads = obj.size // frame * first.head_count
+        if obj.size % frame or geometry.num_kv_heads % heads or first.head_start % heads:
             return "length"  # (a header declaring another length is one too: checked with every field below)
-        chunks = _chunks(admin, obj, chunk)
-        verify_section(
-            head[:HEADER_SIZE], chunks, geometry, section, key, name=bytes.fromhex(obj.name), fingerprint=fingerprint
-        )
+        for k in range(obj.size // frame):
+            at = k * frame
+            header = head[:HEADER_SIZE] if k == 0 else next(_chunks(admin, obj, HEADER_SIZE, at, at + HEADER_SIZE))
+            section = Section(first.layer_start, first.layer_count, first.head_start + k * first.head_count,
+                              first.head_count)  # fmt: skip
+            chunks = _chunks(admin, obj, chunk, at + HEADER_SIZE, at + frame)
+            name = bytes.fromhex(obj.name)
+            verify_section(header, chunks, geometry, section, key, name=name, fingerprint=fingerprint)
     except CorruptObjectError as exc:
         return exc.reason
     return None

@@ -64,13 +64,19 @@ BLOCKS_B = [bytes([0xB0 + i]) * 16 for i in range(2)]
 FP_A, FP_B = A.fingerprint().hex(), B.fingerprint().hex()
 
 
-def layers(g: Geometry, seed: int) -> list[bytes]:
-    """One block of the whole model, one buffer per layer (kvdi's order)."""
-    size = 2 * g.block_size * g.num_kv_heads * g.head_dim * g.elem_bytes
+def layers(g: Geometry, seed: int, heads: int = 0) -> list[bytes]:
+    """One block of ``heads`` KV heads (0: all) of the model, one buffer per layer (kvdi's order)."""
+    size = 2 * g.block_size * (heads or g.num_kv_heads) * g.head_dim * g.elem_bytes
     return [bytes((seed * 7 + layer * 3 + i) % 251 for i in range(size)) for layer in range(g.num_layers)]
 
 
-def write_sections(store: BlockStore, g: Geometry, blocks: list[bytes], frame_key: FrameKey | None = None) -> None:
-    """Every canonical section of ``blocks`` written by kvdi's canonical writer (a TP=1 rank of the whole model)."""
-    rank = CanonicalRank(store, g, RankPart.of(g), key=frame_key)
-    assert rank.save([(k, layers(g, i)) for i, k in enumerate(blocks)]) == len(blocks) * len(g.sections())
+def write_sections(
+    store: BlockStore, g: Geometry, blocks: list[bytes], frame_key: FrameKey | None = None, tp: int = 2
+) -> None:
+    """Every canonical section of ``blocks`` written by kvdi's canonical writer: TP=``tp`` ranks of the whole
+    model, each one pack a block and layer section (with ``tp`` = the model's 2 KV heads: one section a pack)."""
+    for r in range(tp):
+        part = RankPart.of(g, tp, r)
+        rank = CanonicalRank(store, g, part, key=frame_key)
+        written = rank.save([(k, layers(g, i * tp + r, part.head_count)) for i, k in enumerate(blocks)])
+        assert written == len(blocks) * len(rank.packs)

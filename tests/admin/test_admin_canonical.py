@@ -262,3 +262,27 @@ def test_redis_stats_verify_drop_and_clear_by_model(redis_server: RedisServer) -
         admin.close()
     assert sorted(k.decode() for k in client.keys("kvdi:*")) == sorted(f"kvdi:{n}" for n in FOREIGN)
     client.close()
+
+
+def test_a_tp1_writers_pack_of_two_sections_is_verified_section_by_section(tmp_path: Path) -> None:
+    """A TP=1 writer stores one pack a block (both heads' sections back to back): verify checks each; a bit flipped
+    in the second section is ``checksum``, a pack cut short ``length``, as a load counts them."""
+    root = tmp_path / "kv"
+    files = FileBlockStore(root)
+    write_sections(files, B, BLOCKS_B, tp=1)
+    files.close()
+    first, second = sorted(root.glob("??/*"))  # one pack a block
+    admin = open_admin(load_settings(shared_storage={"path": root}))
+    try:
+        assert verify_store(admin).good == 2
+        raw = bytearray(first.read_bytes())
+        raw[-1] ^= 1  # the second section's last payload byte
+        first.write_bytes(bytes(raw))
+        second.write_bytes(second.read_bytes()[:-10])
+        report = verify_store(admin)
+    finally:
+        admin.close()
+    assert report.good == 0 and {b.name: b.reason for b in report.bad} == {
+        first.name: "checksum",
+        second.name: "length",
+    }

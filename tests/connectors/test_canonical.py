@@ -81,12 +81,13 @@ def stored(store: FileBlockStore) -> dict[str, bytes]:
 def test_tp1_writes_tp2_ranks_read_exactly_their_heads(store: FileBlockStore, w_order: str, r_order: str) -> None:
     g = geometry()
     fulls = full_blocks(g)
-    assert write(store, g, tp(g, 1), w_order, fulls) == len(KEYS) * 4  # one section per head (default grid)
+    assert write(store, g, tp(g, 1), w_order, fulls) == len(KEYS)  # one pack a block: its 4 sections (one a head)
+    assert len(stored(store)) == len(KEYS)
     for part in tp(g, 2):
         rank, n, dst = read(store, g, part, r_order)
         assert n == len(KEYS) and rank.loaded_blocks == len(KEYS) and not rank.misses
         assert [s.head_start for s in rank.reads] == list(range(part.head_start, part.head_start + 2))
-        assert rank.read_bytes == len(KEYS) * 2 * rank.object_bytes()  # only its own heads' sections
+        assert rank.read_bytes == len(KEYS) * 2 * rank.object_bytes()  # only its own heads' sections of each pack
         for full, layers in zip(fulls, dst, strict=True):
             assert all(torch.equal(a, b) for a, b in zip(layers, rank_layers(full, part, r_order), strict=True))
 
@@ -149,7 +150,7 @@ def test_a_corrupted_section_is_a_counted_miss_for_every_rank_needing_it(store: 
 def test_a_missing_section_misses_only_where_needed(store: FileBlockStore) -> None:
     g = geometry()
     write(store, g, tp(g, 2), "nhc", full_blocks(g))
-    os.unlink(store.path_for(Section(0, 4, 3, 1).key(KEYS[0])))  # head 3: TP=2 rank 1's
+    os.unlink(store.path_for(Section(0, 4, 2, 2).key(KEYS[0])))  # heads 2-3: TP=2 rank 1's pack
     r0, n0, _ = read(store, g, RankPart.of(g, 2, 0), "nhc")
     r1, n1, _ = read(store, g, RankPart.of(g, 2, 1), "nhc")
     whole, nw, _ = read(store, g, RankPart.of(g, 1, 0), "nhc")

@@ -98,7 +98,7 @@ def test_tp2_ranks_write_each_group_and_tp1_loads_each_group(tmp_path: Path) -> 
         for g, (half, _) in enumerate(per_group):
             assert step(half, keys[g], (0, 1, 2, 3), save=True) == set()
             assert half.stats.saved_blocks == 4
-    assert len(files(tmp_path)) == 2 * 4 * HEADS  # per group, block and KV head: one section
+    assert len(files(tmp_path)) == 2 * 4 * 2  # per group, block and TP rank: one pack (here: of one head)
     for g, lay in enumerate(worker_layouts(1, 0)):
         reader, dst = worker(tmp_path, lay)
         assert step(reader, scheduler_keys(1)[g], (5, 6, 7, 8), save=False) == set()
@@ -116,16 +116,16 @@ def test_a_corrupt_section_is_a_counted_miss_of_its_group_only(tmp_path: Path) -
         step(writer, keys[g], (0, 1, 2, 3), save=True)
     full = writer.store
     assert isinstance(full, CanonicalBlockStore)
-    victim = full.inner.path_for(Section(0, 2, 1, 1).key(keys[1][1]))  # full group, head 1 of block 1
+    victim = full.inner.path_for(Section(0, 2, 0, HEADS).key(keys[1][1]))  # full group's pack of block 1
     raw = bytearray(victim.read_bytes())
-    raw[-1] ^= 0x10
+    raw[-1] ^= 0x10  # in its last section: head 1's
     victim.write_bytes(bytes(raw))
-    for r, lay in enumerate(worker_layouts(2, 1) + worker_layouts(2, 0)):  # rank 1 needs head 1, rank 0 does not
+    for r, lay in enumerate(worker_layouts(2, 0) + worker_layouts(2, 1)):  # rank 1 needs head 1, rank 0 does not
         g = r % 2
         reader, _ = worker(tmp_path, lay)
         failed = step(reader, keys[g], (5, 6, 7, 8), save=False)
         assert isinstance(reader.store, CanonicalBlockStore)
-        if g == 1 and r < 2:
+        if g == 1 and r >= 2:  # (then the pack is discarded: a bad pack goes for every rank, rewritten at a save)
             assert failed == {6, 7, 8} and reader.store.misses["checksum"] == 1
             assert reader.stats.loaded_blocks == 1
         else:
@@ -139,11 +139,10 @@ def test_a_section_of_one_group_never_loads_as_another_groups(tmp_path: Path) ->
     step(writer, keys[0], (0, 1, 2, 3), save=True)
     assert isinstance(writer.store, CanonicalBlockStore)
     store = writer.store.inner
-    for h in range(HEADS):  # the sliding group's sections copied where the full group's would be
-        src = store.path_for(Section(0, 2, h, 1).key(keys[0][0]))
-        dst = store.path_for(Section(0, 2, h, 1).key(keys[1][0]))
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_bytes(src.read_bytes())
+    src = store.path_for(Section(0, 2, 0, HEADS).key(keys[0][0]))  # the sliding group's pack copied where the
+    dst = store.path_for(Section(0, 2, 0, HEADS).key(keys[1][0]))  # full group's would be
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(src.read_bytes())
     reader, _ = worker(tmp_path, full)
     assert step(reader, keys[1], (5,), save=False) == {5}
     assert isinstance(reader.store, CanonicalBlockStore) and reader.store.misses["fingerprint"] == 1

@@ -72,7 +72,7 @@ def test_tp2_ranks_save_sections_and_tp1_and_each_rank_load(opened: Opened) -> N
     writers = [opened.worker(rank_layout(r), seed=10 + r) for r in range(2)]
     for half, _ in writers:
         assert step(half, (0, 1, 2, 3), save=True) == set() and half.stats.saved_blocks == 4
-    assert len(object_names(opened.endpoint, opened.bucket)) == 4 * HEADS  # one object a block and head
+    assert len(object_names(opened.endpoint, opened.bucket)) == 4 * 2  # one pack a block and rank (here: a head)
     whole, dst = opened.worker(WHOLE)
     assert step(whole, (4, 5, 6, 7), save=False) == set() and whole.stats.loaded_blocks == 4
     for n in WHOLE.layer_names:  # kvdi order [2, N, H, D]
@@ -112,8 +112,8 @@ def test_a_per_rank_frame_under_a_section_name_is_an_old_format_miss(opened: Ope
     assert step(writer, (0, 1, 2, 3), save=True) == set()
     from kvdi.connectors.store.framing import frame_header
 
-    name = Section(0, LAYERS, 0, 1).key(KEYS[0])
-    payload = bytes(WHOLE.block_bytes // HEADS)
+    name = Section(0, LAYERS, 0, HEADS).key(KEYS[0])  # where the TP=1 writer's pack of block 0 lies
+    payload = bytes(WHOLE.block_bytes)
     raw_client(opened.endpoint).put_object(
         Bucket=opened.bucket,
         Key=inner(writer).name(name),

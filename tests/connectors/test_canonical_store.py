@@ -46,7 +46,7 @@ def test_tp1_saves_and_each_tp2_rank_loads_its_head(tmp_path: Path) -> None:
     writer, src = worker(tmp_path, WHOLE, seed=1)
     assert step(writer, (0, 1, 2, 3), save=True) == set()
     assert writer.stats.saved_blocks == 4
-    assert len([p for p in tmp_path.rglob("*") if p.is_file()]) == 4 * HEADS  # one section per block and head
+    assert len([p for p in tmp_path.rglob("*") if p.is_file()]) == 4  # one pack a block (its sections: a head each)
     for rank in range(2):
         reader, dst = worker(tmp_path, rank_layout(rank))
         assert step(reader, (5, 6, 7, 8), save=False) == set()
@@ -81,11 +81,12 @@ def test_a_replica_holder_writes_nothing_and_reads_the_one_copy(tmp_path: Path) 
 
 
 def test_a_missing_section_is_a_counted_load_error_on_every_rank_needing_it(tmp_path: Path) -> None:
-    writer, _ = worker(tmp_path, WHOLE, seed=1)
-    step(writer, (0, 1, 2, 3), save=True)
-    store = writer.store
+    for rank in range(2):  # TP=2 writers: one pack a block and head
+        writer, _ = worker(tmp_path, rank_layout(rank), seed=1 + rank)
+        step(writer, (0, 1, 2, 3), save=True)
+    store = worker(tmp_path, WHOLE)[0].store
     assert isinstance(store, CanonicalBlockStore)
-    os.unlink(store.inner.path_for(Section(0, LAYERS, 1, 1).key(KEYS[2])))  # head 1 of block 2
+    os.unlink(store.inner.path_for(Section(0, LAYERS, 1, 1).key(KEYS[2])))  # rank 1's pack (head 1) of block 2
     assert store.count_prefix(list(KEYS)) == 2  # the scheduler offers two blocks
     frames = store.get_many(list(KEYS))  # whole per-rank frames, for stores' callers without get_into_many
     assert frames[2] is None and all(f is not None for f in frames[:2])
@@ -104,7 +105,7 @@ def test_hnc_sections_of_one_head_go_straight_to_the_cache_and_a_bad_one_is_stil
     run = BS * 16 * 4
     assert isinstance(writer.store, CanonicalBlockStore) and writer.store.rank.write_runs == [0, run]
     assert step(writer, (0, 1, 2, 3), save=True) == set()
-    victim = writer.store.inner.path_for(Section(0, LAYERS, 1, 1).key(KEYS[1]))
+    victim = writer.store.inner.path_for(Section(0, LAYERS, 0, HEADS).key(KEYS[1]))  # its last byte: head 1's
     raw = bytearray(victim.read_bytes())
     raw[-1] ^= 0x40
     victim.write_bytes(bytes(raw))
@@ -171,8 +172,8 @@ def test_a_canonical_rank_slice_names_blocks_alike_in_every_shape(tmp_path: Path
     assert lookup.count_prefix(list(KEYS)) == 0
     store = writer.store
     assert isinstance(store, CanonicalBlockStore)
-    assert not any(store.inner.path_for(s.key(KEYS[0])).exists() for s in store.rank.geometry.sections())
-    assert all(store.inner.path_for(s.key(KEYS[1])).exists() for s in store.rank.geometry.sections())
+    pack = Section(0, LAYERS, 0, HEADS)  # the TP=1 writer's one pack a block
+    assert not store.inner.path_for(pack.key(KEYS[0])).exists() and store.inner.path_for(pack.key(KEYS[1])).exists()
 
 
 def test_a_hybrid_state_page_group_is_refused_not_misread(tmp_path: Path) -> None:
@@ -199,8 +200,8 @@ def test_store_stats_tells_canonical_sections_from_per_rank_frames(tmp_path: Pat
     finally:
         admin.close()
     canonical = [g for name, g in stats.groups.items() if name.startswith("canonical:")]
-    assert [g.objects for g in canonical] == [4 * HEADS] and stats.groups[WHOLE.fingerprint().hex()].objects == 1
-    assert stats.total.objects == 4 * HEADS + 1 and stats.foreign == 0
+    assert [g.objects for g in canonical] == [4] and stats.groups[WHOLE.fingerprint().hex()].objects == 1
+    assert stats.total.objects == 4 + 1 and stats.foreign == 0  # one pack a block
 
 
 def test_redis_canonical_tp1_saves_tp2_ranks_load(redis_server: Any) -> None:

@@ -17,10 +17,10 @@ from kvdi.connectors.store.canonical import Section
 from kvdi.connectors.store.canonical_store import CanonicalBlockStore
 from kvdi.layout import KVCacheSpec
 from kvdi.settings import KvdiSettings
-from tests.helpers.canonical import KEYS, LAYERS, WHOLE, step
+from tests.helpers.canonical import HEADS, KEYS, LAYERS, WHOLE, step
 from tests.helpers.store import make_caches
 
-SECTION = Section(0, LAYERS, 1, 1)  # head 1 of every layer
+SECTION = Section(0, LAYERS, 0, HEADS)  # the TP=1 writer's pack of a block (both heads, every layer)
 CACHES: dict[StoreWorkerConnector, dict[str, torch.Tensor]] = {}
 
 

@@ -72,10 +72,13 @@ def test_tp1_and_pp2_write_tp2_reads_and_writes_tp1_reads(
         return [p for p in store.rglob("*") if p.is_file() and not p.name.startswith(".")]
 
     def cells() -> Counter[tuple[int, int, int, int]]:
-        """Stored sections by (layer_start, layer_count, head_start, head_count), each a canonical frame."""
+        """Stored sections by (layer_start, layer_count, head_start, head_count), each a canonical frame in a pack
+        (a writer rank's sections of a block and layer, back to back: a TP=1 writer's pack holds both heads)."""
         datas = [p.read_bytes() for p in stored()]
         assert {frame_kind(d[:4]) for d in datas} == {"canonical"}
-        return Counter(struct.unpack_from("<4I", d, 40) for d in datas)
+        frame = 128 + LAYER_BYTES // 2  # one section: a header, then one layer of one head
+        assert all(len(d) % frame == 0 for d in datas)
+        return Counter(struct.unpack_from("<4I", d, at + 40) for d in datas for at in range(0, len(d), frame))
 
     grid = [(layer, 1, head, 1) for layer in range(2) for head in range(2)]
     heads = [p[:BLOCK_SIZE] for p in prompts]  # TP=1 writes each prompt's first block

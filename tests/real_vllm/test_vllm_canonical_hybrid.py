@@ -1,8 +1,8 @@
 """Canonical sections of a hybrid model in real vLLM (CPU): a tiny Gemma3's two attention groups, sectioned per group.
 
 A TP=1 engine with ``shared_storage.format="canonical"`` stores each group's blocks as canonical sections (one
-per block and KV head, the fingerprint naming the group); a TP=2 engine (mp executor) loads them, each rank
-its KV head's sections of each group (in-process engine core). Tokens are compared with the writer's, which
+per block and KV head, in one pack a block: the fingerprint naming the group); a TP=2 engine (mp executor)
+loads them, each rank its KV head's sections of each group (its byte range of each pack) (in-process engine core). Tokens are compared with the writer's, which
 loaded nothing. TP=2 writing and TP=1 reading is covered at the store level
 (tests/connectors/test_canonical_hybrid.py).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import struct
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -64,8 +65,10 @@ def test_gemma3_groups_stored_as_canonical_sections_by_tp1_load_in_tp2(tmp_path:
     datas = [p.read_bytes() for p in store.rglob("*") if p.is_file() and not p.name.startswith(".")]
     assert {frame_kind(d[:4]) for d in datas} == {"canonical"}
     per_group = Counter(d[8:24] for d in datas)  # the fingerprint names the group
-    # per prompt and KV head: 6 full-attention blocks, the sliding window's 2 (tests/real_vllm/test_vllm_hybrid.py)
-    assert sorted(per_group.values()) == [2 * 2 * KV_HEADS, 2 * 6 * KV_HEADS]
+    # per prompt: 6 full-attention blocks, the sliding window's 2 (tests/real_vllm/test_vllm_hybrid.py), one pack
+    # each of KV_HEADS sections (a section: 128-byte header, then its payload)
+    assert sorted(per_group.values()) == [2 * 2, 2 * 6]
+    assert all(struct.unpack_from("<Q", d, 80)[0] * KV_HEADS + 128 * KV_HEADS == len(d) for d in datas)
     assert read_stats(tmp_path / "stats-store", "worker")["saved_blocks"] == 16
     ranks = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(str(tmp_path / "stats-load" / "*-worker-*")))]
     assert [r["loaded_blocks"] for r in ranks] == [16, 16]  # each rank its KV head of 2 x (6 full + 2 in-window)

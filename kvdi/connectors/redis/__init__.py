@@ -16,11 +16,10 @@ from kvdi.connectors.redis.breaker import BreakerOpenError, BreakerState, Circui
 from kvdi.connectors.redis.cluster import RedisClusterBlockStore
 from kvdi.connectors.redis.server import RedisBlockStore, RedisNode
 from kvdi.connectors.redis.wire import send_gathered
-from kvdi.connectors.store.canonical_store import CanonicalBlockStore, canonical_object_bytes
+from kvdi.connectors.store.canonical_store import CanonicalBlockStore, canonical_object_bytes, refuse_compression
 from kvdi.connectors.store.codec import compressor_for
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.integrity import frame_key
-from kvdi.errors import ConfigError
 from kvdi.layout import DTYPE_BYTES
 from kvdi.masking import MASK, mask_url
 
@@ -42,11 +41,8 @@ def open_store(
         options.compression, frame_key(settings), "KVDI_REDIS__COMPRESSION", DTYPE_BYTES[layout.dtype]
     )
     canonical = options.format == "canonical"
-    if canonical and compressor is not None:
-        raise ConfigError(
-            f"KVDI_REDIS__COMPRESSION={options.compression!r} with KVDI_REDIS__FORMAT=canonical: canonical sections "
-            "are stored uncompressed; set compression none or format per_rank"
-        )
+    if canonical:
+        refuse_compression("KVDI_REDIS", options.compression, compressor)
     grid = (options.section_layers, options.section_heads)
     size = canonical_object_bytes(layout, grid, "KVDI_REDIS") if canonical else None
     limit = (size or HEADER_SIZE + layout.block_bytes) + FRAME_ROOM

@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING
 
 from kvdi.connectors.s3.settings import S3Settings
 from kvdi.connectors.s3.store import S3BlockStore
-from kvdi.connectors.store.canonical_store import CanonicalBlockStore, canonical_object_bytes
+from kvdi.connectors.store.canonical_store import CanonicalBlockStore, canonical_object_bytes, refuse_compression
 from kvdi.connectors.store.codec import compressor_for
 from kvdi.connectors.store.framing import HEADER_SIZE
 from kvdi.connectors.store.integrity import frame_key
-from kvdi.errors import ConfigError
 from kvdi.layout import DTYPE_BYTES
 
 if TYPE_CHECKING:
@@ -35,11 +34,8 @@ def open_store(options: S3Settings, layout: KVCacheSpec, settings: KvdiSettings)
         options.compression, frame_key(settings), "KVDI_S3__COMPRESSION", DTYPE_BYTES[layout.dtype]
     )
     canonical = options.format == "canonical"
-    if canonical and compressor is not None:
-        raise ConfigError(
-            f"KVDI_S3__COMPRESSION={options.compression!r} with KVDI_S3__FORMAT=canonical: canonical sections "
-            "are stored uncompressed; set compression none or format per_rank"
-        )
+    if canonical:
+        refuse_compression("KVDI_S3", options.compression, compressor)
     grid = (options.section_layers, options.section_heads)
     size = canonical_object_bytes(layout, grid, "KVDI_S3") if canonical else HEADER_SIZE + layout.block_bytes
     store = S3BlockStore(options, max_object_bytes=size + FRAME_ROOM)

@@ -32,7 +32,9 @@ def open_store(
     vet_root(root, options.mode)  # others may not write; a world-writable root is worth a warning
     canonical = options.format == "canonical"
     grid = (options.section_layers, options.section_heads)
-    size = canonical_object_bytes(layout, grid) if canonical else HEADER_SIZE + layout.block_bytes
+    size = None if canonical else HEADER_SIZE + layout.block_bytes  # canonical packs: of several sizes
+    if canonical:
+        canonical_object_bytes(layout, grid)  # a grid that does not divide: one line, now
     store = FileBlockStore(root, options.max_bytes, mode=options.mode, object_bytes=size, publish_once=canonical)
     try:
         store.open()  # now: a bad path is a ConfigError at build time, not a miss per call

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.shared_storage.fileio import link_fd, list_entries, readv_full, writev_full
+from kvdi.connectors.shared_storage.fileio import advance, link_fd, list_entries, readv_full, writev_full
 from kvdi.connectors.shared_storage.safe_dir import SafeDir
 from kvdi.connectors.store.framing import Buffer
 
@@ -50,7 +50,7 @@ class FileBlockStore:
 
     ``object_bytes``: the one valid object size (a frame); objects of any other size are never
     read (a miss the reader drops). ``mode``: file mode of new objects. ``publish_once``: an object already
-    stored whole (a regular file of ``object_bytes``, no mode wider than ``mode``) is not written again (S3's
+    stored whole (a regular file of the size written, no mode wider than ``mode``) is not written again (S3's
     conditional create); anything else under its name is replaced, as every write replaces without it.
     ``root`` is created (mode 0700 for 0600 files) and opened on first use; while it cannot be opened as a
     real directory (a symlink is refused), every call is a miss or a failed write, never an exception.
@@ -68,7 +68,7 @@ class FileBlockStore:
         publish_once: bool = False,
     ) -> None:
         self.root = root
-        self.publish_once = publish_once and object_bytes is not None
+        self.publish_once = publish_once
         self.max_bytes = max_bytes
         self.mode = mode
         self.object_bytes = object_bytes
@@ -134,6 +134,21 @@ class FileBlockStore:
             return readv_full(fd, pieces) if size == sum(p.nbytes for p in pieces) else size
 
         return self._read_objects([key for key, _ in items], read, 0)
+
+    def get_range_into_many(self, items: Sequence[tuple[bytes, int, Sequence[memoryview]]]) -> list[int | None]:
+        """Bytes from an offset into pieces (``preadv``, a pack's sections) when the object holds them: its size."""
+
+        def read(i: int, fd: int, size: int) -> int:
+            _, at, pieces = items[i]
+            bufs, want = list(pieces), sum(p.nbytes for p in pieces)
+            if at + want <= size:
+                while want and (n := os.preadv(fd, bufs, at)):
+                    at, want = at + n, want - n
+                    if want:  # a short read (rare): go on after it
+                        advance(bufs, n)
+            return size
+
+        return self._read_objects([key for key, _, _ in items], read, 0)
 
     def _read_objects(
         self, keys: Sequence[bytes], read: Callable[[int, int, int], _R], not_object: _R
@@ -247,21 +262,21 @@ class FileBlockStore:
             self._dirs.reset()
             return self._write(self._dirs.sub(name[:2], create=True), name, pieces, stamp)
 
-    def _held(self, sub: int, name: str, stamp: int) -> bool:
-        """``publish_once``: whether ``name`` is already a whole object (a regular file of the object size, no mode
-        wider than ours): then it is kept (its mtime refreshed under a size cap) and not written again."""
+    def _held(self, sub: int, name: str, stamp: int, size: int) -> bool:
+        """``publish_once``: whether ``name`` is already a whole object (a regular file of the ``size`` written, no
+        mode wider than ours): then it is kept (its mtime refreshed under a size cap) and not written again."""
         try:
             st = os.stat(name, dir_fd=sub, follow_symlinks=False)
         except OSError:
             return False
-        held = stat.S_ISREG(st.st_mode) and st.st_size == self.object_bytes and not st.st_mode & 0o7777 & ~self.mode
+        held = stat.S_ISREG(st.st_mode) and st.st_size == size and not st.st_mode & 0o7777 & ~self.mode
         if held and self.max_bytes:
             with contextlib.suppress(OSError):  # best effort, as a read's touch
                 os.utime(name, ns=(stamp, stamp), dir_fd=sub, follow_symlinks=False)
         return held
 
     def _write(self, sub: int, name: str, pieces: Sequence[Buffer], stamp: int) -> int:
-        if self.publish_once and self._held(sub, name, stamp):
+        if self.publish_once and self._held(sub, name, stamp, sum(memoryview(p).nbytes for p in pieces)):
             return 0
         fd, tmp = self._create(sub, name)
         try:

@@ -28,7 +28,7 @@ from kvdi.errors import ConfigError
 from kvdi.layout import DTYPE_BYTES
 
 MAGIC = b"KVDC"
-CANONICAL_VERSION = 2  # 2: payload order LNHKD (1 was LKHTD: now a ``version`` miss)
+CANONICAL_VERSION = 3  # 3: sections in packs (2: one section an object; 1: order LKHTD): else a ``version`` miss
 ORDER_LNHKD = 2  # payload order: layer, token, head, K/V, dim (vLLM's GPU block order: no conversion there)
 FLAG_MAC = 1
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
@@ -227,6 +227,12 @@ def _fields(geometry: Geometry, section: Section, name: Buffer, flags: int, leng
     )  # fmt: skip
 
 
+def checked_fields(geometry: Geometry, section: Section, name: Buffer) -> bytes:
+    """The first 88 bytes of an unkeyed header :func:`frame_section` writes (what its checksum covers besides the
+    payload): a reader compares them whole, then checks the checksum (:func:`verify_section` tells why not)."""
+    return _CHECKED.pack(*_fields(geometry, section, name, 0, geometry.section_bytes(section)))
+
+
 def _pieces(payload: Buffer | Sequence[Buffer]) -> list[Buffer]:
     """A payload given whole or as pieces (e.g. one run of each layer's buffer), as pieces."""
     if isinstance(payload, bytes | bytearray | memoryview):
@@ -375,6 +381,7 @@ __all__ = [
     "Geometry",
     "RankPart",
     "Section",
+    "checked_fields",
     "declared_section",
     "frame_kind",
     "frame_section",

@@ -22,9 +22,10 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvdi.connectors.store.canonical import HEADER_SIZE, Geometry, RankPart, write_plan
+from kvdi.connectors.store.canonical import Geometry, RankPart, write_plan
 from kvdi.connectors.store.canonical_convert import unpack_block
 from kvdi.connectors.store.canonical_io import CanonicalRank
+from kvdi.connectors.store.canonical_pack import every_pack, max_pack_bytes
 from kvdi.connectors.store.framing import HEADER_SIZE as FRAME_HEADER
 from kvdi.connectors.store.framing import Buffer, FrameKey, frame_header
 from kvdi.connectors.store.protocol import prefers_async_load
@@ -63,6 +64,16 @@ def refuse_group(layout: KVCacheSpec) -> None:
         )
 
 
+def refuse_compression(option: str, compression: str, compressor: object | None) -> None:
+    """Raise ConfigError, in one line naming ``option`` (``KVDI_REDIS``, ``KVDI_S3``), for a store of canonical
+    sections with a ``compressor`` (set from ``compression``): sections are stored uncompressed."""
+    if compressor is not None:
+        raise ConfigError(
+            f"{option}__COMPRESSION={compression!r} with {option}__FORMAT=canonical: canonical sections "
+            "are stored uncompressed; set compression none or format per_rank"
+        )
+
+
 def geometry_of(layout: KVCacheSpec, section_layers: int = 0, section_heads: int = 1) -> tuple[Geometry, RankPart]:
     """The model's :class:`Geometry` and this process's :class:`RankPart`, read from ``layout`` (see above).
 
@@ -71,6 +82,11 @@ def geometry_of(layout: KVCacheSpec, section_layers: int = 0, section_heads: int
     its fingerprint never lets one group's sections load into another's. Raises ConfigError for a group of
     state pages (Mamba, linear attention: no KV heads to section) and for a PP stage's share of a group."""
     refuse_group(layout)
+    return _grid_of(layout, section_layers, section_heads)
+
+
+def _grid_of(layout: KVCacheSpec, section_layers: int, section_heads: int) -> tuple[Geometry, RankPart]:
+    """:func:`geometry_of` for a layout already past :func:`refuse_group`."""
     found = _PART.search(layout.model_id)
     model_id = layout.model_id[: found.start()] if found else layout.model_id
     if layout.group:
@@ -99,16 +115,16 @@ def geometry_of(layout: KVCacheSpec, section_layers: int = 0, section_heads: int
 def canonical_object_bytes(
     layout: KVCacheSpec, grid: tuple[int, int] = (0, 1), option: str = "KVDI_SHARED_STORAGE"
 ) -> int:
-    """The size of every canonical section object of ``layout``'s model (the grid divides it evenly).
+    """The size of the largest canonical object of ``layout``'s model: a pack of every KV head (a TP=1 writer's).
 
     Raises ConfigError, in one line, for a grid that does not divide the model or this rank's share."""
     refuse_group(layout)  # its own line, before the grid's
     try:
-        geometry, part = geometry_of(layout, *grid)
+        geometry, part = _grid_of(layout, *grid)
         write_plan(geometry, part)
     except ValueError as exc:
         raise ConfigError(f"{option}__SECTION_LAYERS={grid[0]} / __SECTION_HEADS={grid[1]}: {exc}") from None
-    return HEADER_SIZE + geometry.section_bytes(geometry.sections()[0])
+    return max_pack_bytes(geometry)
 
 
 class CanonicalBlockStore:
@@ -142,8 +158,8 @@ class CanonicalBlockStore:
 
     @property
     def object_bytes(self) -> int:
-        """The size of every stored section object."""
-        return HEADER_SIZE + self.rank.geometry.section_bytes(self.rank.reads[0])
+        """The size of the largest stored object (a pack of every KV head; packs of fewer heads are smaller)."""
+        return max_pack_bytes(self.rank.geometry)
 
     def parts(self) -> list[BlockStore]:
         """:class:`~kvdi.connectors.store.CompositeStore`: the wrapped backend (hit source, health, events)."""
@@ -161,7 +177,7 @@ class CanonicalBlockStore:
         if not callable(ahead) or not keys:
             return False
         try:
-            return bool(ahead([s.key(k) for k in keys for s in self.rank.reads]))
+            return bool(ahead([s.pack.key(k) for k in keys for s in self.rank.plans[self.rank.hint]]))
         except Exception:
             return False
 
@@ -180,13 +196,13 @@ class CanonicalBlockStore:
         return [flat[i * lb : (i + 1) * lb] for i in range(self._layers)]
 
     def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
-        """Write this rank's sections of each framed block; return the blocks whose sections were all written."""
+        """Write this rank's packs of each framed block; return the blocks whose packs were all written."""
         if not items:
             return 0
         if not self.rank.writes:  # a rank holding only replicas another rank writes: nothing to do
             return len(items)
         written = self.rank.save([(key, self._layers_of(pieces)) for key, pieces in items])
-        return written // len(self.rank.writes)
+        return written // len(self.rank.packs)
 
     def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """Each block as a per-rank frame assembled from its verified sections; None where any is missing or bad."""
@@ -264,9 +280,9 @@ class CanonicalBlockStore:
         return [memoryview(bytearray(self._layer_bytes)) for _ in range(self._layers)]
 
     def discard(self, key: bytes) -> None:
-        """Drop every section of block ``key`` (the grid's, not only this rank's: a bad block goes for all)."""
-        for section in self.rank.geometry.sections():
-            self.inner.discard(section.key(key))
+        """Drop every pack of block ``key`` (of every size, not only this rank's: a bad block goes for all)."""
+        for pack in every_pack(self.rank.geometry):
+            self.inner.discard(pack.key(key))
 
     @property
     def stored_bytes(self) -> int | None:
@@ -290,4 +306,12 @@ def _scatter(data: bytes, pieces: Sequence[memoryview]) -> None:
         offset += piece.nbytes
 
 
-__all__ = ["TAG", "CanonicalBlockStore", "canonical_object_bytes", "geometry_of", "part_tag", "refuse_group"]
+__all__ = [
+    "TAG",
+    "CanonicalBlockStore",
+    "canonical_object_bytes",
+    "geometry_of",
+    "part_tag",
+    "refuse_compression",
+    "refuse_group",
+]
