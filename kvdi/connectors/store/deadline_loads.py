@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 
 from kvdi.connectors.base import BlockTransfer, ConnectorStats
 from kvdi.connectors.store.deadline import DeadlineRule
-from kvdi.connectors.store.framing import Buffer
-from kvdi.connectors.store.protocol import BlockStore
+from kvdi.connectors.store.protocol import StoreView
 
 
 class LoadDeadlines:
@@ -74,27 +73,9 @@ class LoadGuard:
     cancelled: bool = False
 
 
-class HostReads:
+class HostReads(StoreView):
     """A store view for a cancellable load: ``get_many`` only, so every object lands in a host buffer first (no
     ``get_into_many``, ``visit_many`` or ``place_many``: those write into the blocks inside the store call)."""
-
-    def __init__(self, store: BlockStore) -> None:
-        self._store = store
-
-    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        return self._store.get_many(keys)
-
-    def count_prefix(self, keys: Sequence[bytes]) -> int:
-        return self._store.count_prefix(keys)
-
-    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
-        return self._store.put_many(items)
-
-    def discard(self, key: bytes) -> None:
-        self._store.discard(key)
-
-    def close(self) -> None:
-        """The store is the worker's: closing a view closes nothing."""
 
 
 class LoadCancels:
