@@ -4,6 +4,7 @@ jitter and a store that stalls mid-load, as a ratio to no connector (``bench_rem
 Usage (the vLLM venv, from the repository root)::
 
     PYTHONPATH=$PWD .venv-vllm/bin/python -m benchmarks.vllm.bench_remote --rows [--repeats 2] [--out r.json]
+    ... --rows --row 50 --configs none kvdi   # one row, two engines
 
 Redis (a real ``redis-server`` on loopback) sits behind :class:`~kvdi.testing.latency_proxy.LatencyProxy`. Per
 repeat, one engine per configuration (the order rotated per repeat): ``none`` (no connector), ``kvdi``

@@ -198,7 +198,7 @@ class DeadlineRule:
             return False
         self.stats.lookups_skipped += 1
         self.joining += uncached_tokens
-        logger.debug("kv connector %r: lookup skipped, %d tokens recompute: round trip and best load %.2f ms > budget "
+        logger.debug("kv connector %r: lookup skipped, %d tokens recompute: its answer and best load %.2f ms > budget "
                      "%.2f ms (%s)", self.name, uncached_tokens, expected * 1e3, budget * 1e3,
                      self.model.describe())  # fmt: skip
         self._maybe_probe()
