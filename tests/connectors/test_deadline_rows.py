@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+import pytest
+
 from kvdi.connectors.base import SchedulerOutput
 from kvdi.connectors.store.deadline import DeadlineRule, DeadlineStats
 from kvdi.connectors.store.prefetch import PREFETCH_THREADS, HostStaging
@@ -145,3 +147,23 @@ def test_a_lookup_once_made_is_not_judged_again_when_vllm_asks_again() -> None:
     # Judged again, alone: 12 + 12 = 24 ms > 18 ms, skipped. Not judged again: its answer, a hit of 12 ms < 16 ms.
     assert sched.get_num_new_matched_tokens(PROMPT, 0) == (16, False)
     assert sched.stats.lookups_skipped == 0 and sched.stats.deadline_recomputes == 0
+
+
+def test_a_step_s_fixed_part_is_left_out_of_the_prefill_rate_and_of_what_a_join_costs() -> None:
+    """The 50 ms row on a loaded CPU (issue 34): a 512-token step took 164 ms, 100 ms of them the step's fixed part
+    (a decode step's time). Linear in tokens, four prompts' step was 656 ms, and the second to fourth arrivals were
+    looked up (276 ms) to load after the first's step, later than the four prompts' real step (356 ms)."""
+    clock = Clock()
+    rule = DeadlineRule(DictStore(), "t", DeadlineStats(), enabled=True, clock=clock)
+    rule._probe_at = clock.now
+    rule.step(4)
+    clock.now += 0.100
+    rule.step(512)  # the decode step took 100 ms: the fixed part
+    clock.now += 0.164
+    rule.step(4)  # 512 tokens in 164 ms: 64 ms beyond the fixed part, 8000 tokens/s
+    assert rule.model.overhead.value == pytest.approx(0.1) and rule.model.prefill.value == pytest.approx(8000)
+    assert rule.model.recompute_s(2048) == pytest.approx(0.356)
+    rule.model.round_trip(0.101, replace=True)
+    rule.model.throughput.add(185e6, replace=True)  # 2 MB: 11 ms
+    skipped = [rule.skip_lookup(512, 2_000_000) for _ in range(ARRIVALS)]
+    assert skipped == [True] * ARRIVALS  # the second: max(101, 164) + 112 = 276 ms > 228 ms, its 64 ms joined

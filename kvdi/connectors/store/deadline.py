@@ -9,7 +9,10 @@ store and its engine, from kvdi's own measurements:
   for to the step its report arrived, less a round trip (what a request waiting for it spends);
 - the engine's **prefill rate** (tokens/s): the tokens each engine step scheduled over the time
   to the next step (:meth:`CostModel.step`, the scheduler half's ``build_connector_meta``), taken
-  from steps of at least :data:`MIN_STEP_TOKENS`. Until it is measured the rule refuses nothing.
+  from steps of at least :data:`MIN_STEP_TOKENS`, less a step's **fixed part** (seconds: the time of
+  decode steps, whatever their tokens). Recomputing tokens in a step of their own costs the fixed part
+  and the tokens at the rate; joining a step that runs anyway, the tokens alone. Until the rate is
+  measured the rule refuses nothing.
 
 The estimates live in :mod:`.deadline_estimates`: the throughput and the prefill rate are exponentially weighted
 moving averages; the round trip is the median of recent samples, which a jittered store's lone slow answer does not
