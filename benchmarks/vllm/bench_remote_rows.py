@@ -4,6 +4,7 @@ jitter and a store that stalls mid-load, as a ratio to no connector (``bench_rem
 Usage (the vLLM venv, from the repository root)::
 
     PYTHONPATH=$PWD .venv-vllm/bin/python -m benchmarks.vllm.bench_remote --rows [--repeats 2] [--out r.json]
+    ... --rows --row 50 --configs none kvdi   # one row, two engines
 
 Redis (a real ``redis-server`` on loopback) sits behind :class:`~kvdi.testing.latency_proxy.LatencyProxy`. Per
 repeat, one engine per configuration (the order rotated per repeat): ``none`` (no connector), ``kvdi``
@@ -92,7 +93,7 @@ class Conditions:
 
 def row_prompts(args: argparse.Namespace, r: int) -> dict[str, list[list[list[int]]]]:
     return {row: [make_prompts(args.prompts, args.tokens, seed=70_000 + 1000 * r + 10 * i + k)
-                  for k in range(args.rounds)] for i, row in enumerate(ROWS)}  # fmt: skip
+                  for k in range(args.rounds)] for i, row in enumerate(ROWS) if row in args.row}  # fmt: skip
 
 
 def phases(args: argparse.Namespace, prompts: dict[str, list[list[list[int]]]], barrier: Any) -> list[dict[str, Any]]:
@@ -108,7 +109,7 @@ def phases(args: argparse.Namespace, prompts: dict[str, list[list[list[int]]]], 
         {"kind": "round", "name": "store", "prompts": stored, "max_tokens": mt, "barrier": barrier("0", "store")},
     ]
     for k in range(args.rounds):
-        for row in ROWS:
+        for row in args.row:
             name = f"{row}#{k}"
             out.append({"kind": "round", "name": name, "prompts": prompts[row][k], "max_tokens": mt, "reset": True,
                         "barrier": barrier(row, name)})  # fmt: skip
@@ -124,7 +125,7 @@ def bench_rows(args: argparse.Namespace, work: Path, server: Any, proxy: Any) ->
     from benchmarks.vllm.bench_remote import Gate
 
     model = make_tiny_llama(work / "model", layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=4)
-    n_stored = args.prompts * args.rounds * len(ROWS)
+    n_stored = args.prompts * args.rounds * len(args.row)
     base = {
         "model": str(model),
         "prefix_caching": True,
@@ -178,7 +179,7 @@ def bench_rows(args: argparse.Namespace, work: Path, server: Any, proxy: Any) ->
         gate.close()
     mismatches = check_tokens(engines, specs)
     setup = {**vars(args), "work": str(work), "out": str(args.out), "stored_prompts": n_stored}
-    setup.update(wall_s=time.time() - started, rows=ROWS, load_average_1min=os.getloadavg()[0], cpus=os.cpu_count())
+    setup.update(wall_s=time.time() - started, rows=args.row, load_average_1min=os.getloadavg()[0], cpus=os.cpu_count())
     doc = {"setup": setup, "failures": failures, "tokens_identical": mismatches == 0, "token_mismatches": mismatches}
     doc["rows"] = summarize(args, engines)
     return doc
@@ -191,7 +192,7 @@ def summarize(args: argparse.Namespace, engines: dict[str, list[dict[str, Any]]]
     for config, runs in engines.items():
         if config == "none":
             continue
-        for row in ROWS:
+        for row in args.row:
             medians, p90s, counts = [], [], dict.fromkeys(COUNTERS, 0.0)
             for e in runs:
                 ref = base.get(e["repeat"])
@@ -227,6 +228,7 @@ def rows_table(doc: dict[str, Any]) -> str:
 
 def add_rows_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", action="store_true", help="the acceptance rows (TTFT vs no connector) instead")
+    p.add_argument("--row", nargs="+", choices=ROWS, default=list(ROWS), help="--rows: which rows (default all)")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS), help="--rows: engines")
     p.add_argument("--start-delay-ms", type=float, default=5.0, help="--rows: proxy delay while engines start")
     p.add_argument("--stall-s", type=float, default=2.0, help="--rows: how long redis-server is stopped")

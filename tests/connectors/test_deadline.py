@@ -72,10 +72,11 @@ def test_the_prefill_rate_comes_from_prefill_steps_only() -> None:
     model.step(4)  # the 1000-token step took 0.5 s: 2000 tokens/s
     assert model.prefill.value == 2000.0
     clock.now += 0.01
-    model.step(500)  # the 4-token decode step is not a sample
+    model.step(500)  # the 4-token decode step is no prefill sample: it is the fixed part of a step, 10 ms
     clock.now += 3600
     model.step(0)  # an hour idle after a step is not one
-    assert model.prefill.samples == 1 and model.recompute_s(1000) == 0.5
+    assert model.prefill.samples == 1 and model.overhead.value == pytest.approx(0.01)
+    assert model.recompute_s(1000) == pytest.approx(0.51) and model.recompute_s(0) == 0.0
 
 
 def test_the_throughput_is_what_a_waiting_request_saw_less_a_round_trip() -> None:

@@ -9,7 +9,10 @@ store and its engine, from kvdi's own measurements:
   for to the step its report arrived, less a round trip (what a request waiting for it spends);
 - the engine's **prefill rate** (tokens/s): the tokens each engine step scheduled over the time
   to the next step (:meth:`CostModel.step`, the scheduler half's ``build_connector_meta``), taken
-  from steps of at least :data:`MIN_STEP_TOKENS`. Until it is measured the rule refuses nothing.
+  from steps of at least :data:`MIN_STEP_TOKENS`, less a step's **fixed part** (seconds: the time of
+  decode steps, whatever their tokens). Recomputing tokens in a step of their own costs the fixed part
+  and the tokens at the rate; joining a step that runs anyway, the tokens alone. Until the rate is
+  measured the rule refuses nothing.
 
 The estimates live in :mod:`.deadline_estimates`: the throughput and the prefill rate are exponentially weighted
 moving averages; the round trip is the median of recent samples, which a jittered store's lone slow answer does not
@@ -21,11 +24,15 @@ clamped to bounds. :class:`DeadlineRule` applies the rule, with ``margin`` = ``s
   step), so four requests arriving together are judged on one, two, three and four prompts' recompute (judged one
   by one, each on its own prompt, all four were skipped at 5 ms, or at 0 ms on a fast engine, and recomputed in one
   step four prompts long, slower than loading them at once);
-- a lookup whose expected round trip, plus the expected load of a whole hit (once the throughput is measured),
-  costs more than ``margin`` x recomputing the request's uncached prompt (and the step's joining tokens) is not
-  made: the answer is 0 at once
-  (``lookups_skipped``); while lookups are skipped a probe (one lookup of a key no store holds) runs in the
-  background at most every :data:`PROBE_INTERVAL_S`, so a store that recovers is used again;
+- a lookup whose answer, plus the expected load of a whole hit (a round trip, and the bytes at the throughput once
+  it is measured), comes later than ``margin`` x recomputing the request's uncached prompt with the step's joining
+  tokens is not made: the answer is 0 at once (``lookups_skipped``). The answer is used only when vLLM asks again,
+  after the step those joining requests compute in, so a lookup waits for the longer of its round trip and that
+  step (judged on its round trip alone, the fourth of four arrivals 50 ms away was looked up, waited out the others'
+  step, then computed a step later: 1.16x no connector's time to first token at p90). A lookup once made is not
+  judged again when vLLM asks again (its deadline bounds it; judged again, with the step's joining tokens gone, it
+  was skipped after waiting a step for nothing). While lookups are skipped a probe (one lookup of a key no store
+  holds) runs in the background at most every :data:`PROBE_INTERVAL_S`, so a store that recovers is used again;
 - a hit whose expected load (a round trip and its bytes at the throughput) costs more than ``margin`` x
   recomputing its tokens is not offered (``deadline_refused``);
 - a prefetch (or a background lookup) still running ``deadline_s`` after it was asked for is abandoned:
@@ -176,18 +183,25 @@ class DeadlineRule:
         return None if recompute is None else self.margin * recompute
 
     def skip_lookup(self, uncached_tokens: int, loadable_bytes: int = 0) -> bool:
-        """True when a lookup's expected round trip, plus the expected load of its best hit (``loadable_bytes``, once
-        the throughput is measured), costs more than recomputing ``uncached_tokens``: even a whole hit cannot pay
-        off (counted, and a background probe of the round trip is started when one is due)."""
+        """True when a lookup's answer, plus the expected load of its best hit (``loadable_bytes``), comes later than
+        recomputing ``uncached_tokens`` in the step it would join: even a whole hit cannot pay off (counted, and a
+        background probe of the round trip is started when one is due).
+
+        The answer is used when vLLM asks again, after this step: its round trip, or the step of the requests the
+        rule already sent to compute (:attr:`joining`) if that is longer. The load is a round trip and the bytes at
+        the throughput; a round trip alone until the throughput is measured (it never costs nothing)."""
         budget = self.budget_s(uncached_tokens + self.joining) if self.enabled else None
         rtt = self.model.rtt.value
         load = self.model.load_s(loadable_bytes) if loadable_bytes > 0 else None
-        expected = None if rtt is None else rtt + (load or 0.0)
+        if load is None and loadable_bytes > 0:
+            load = rtt  # the hit's own round trip: counted before the first prefetch measured the throughput
+        step = self.model.recompute_s(self.joining) or 0.0
+        expected = None if rtt is None else max(rtt, step) + (load or 0.0)
         if budget is None or expected is None or expected <= budget:
             return False
         self.stats.lookups_skipped += 1
         self.joining += uncached_tokens
-        logger.debug("kv connector %r: lookup skipped, %d tokens recompute: round trip and best load %.2f ms > budget "
+        logger.debug("kv connector %r: lookup skipped, %d tokens recompute: its answer and best load %.2f ms > budget "
                      "%.2f ms (%s)", self.name, uncached_tokens, expected * 1e3, budget * 1e3,
                      self.model.describe())  # fmt: skip
         self._maybe_probe()

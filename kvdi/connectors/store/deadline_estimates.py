@@ -1,7 +1,8 @@
 """The load deadline's running estimates (:mod:`.deadline`): a store's round trip and throughput, an engine's prefill
 rate, each from kvdi's own measurements.
 
-The prefill rate is an exponentially weighted moving average (:class:`Ewma`); the throughput the median of recent
+The prefill rate and a step's fixed part (a decode step's time, left out of the rate) are exponentially weighted
+moving averages (:class:`Ewma`); the throughput the median of recent
 samples (:class:`Rates`: a prefetch delayed by a jittered round trip is a slow sample an average believed, and the
 next lookups were skipped even with the store 0 ms away). The round trip is a
 robust estimate (:class:`RoundTrips`) because the rule acts on it at once (a lookup skipped, a hit refused): a store
@@ -180,7 +181,8 @@ class CostModel:
         self.clock = clock
         self.rtt = RoundTrips(*RTT_BOUNDS)
         self.throughput = Rates(*THROUGHPUT_BOUNDS)
-        self.prefill = Ewma(*PREFILL_BOUNDS)
+        self.prefill = Ewma(*PREFILL_BOUNDS)  # tokens/s beyond a step's fixed part (``overhead``, once measured)
+        self.overhead = Ewma(0.0, MAX_STEP_S)  # seconds a step costs whatever its tokens: decode steps' time
         self._step_at: float | None = None
         self._step_tokens = 0
 
@@ -197,16 +199,26 @@ class CostModel:
             self.throughput.add(nbytes / max(seconds - (self.rtt.value or 0.0), seconds / 10))
 
     def step(self, tokens: int) -> None:
-        """An engine step scheduled ``tokens`` now: the previous step's tokens over the time since it, a sample."""
+        """An engine step scheduled ``tokens`` now: the previous step's time is a sample, of the fixed part of a step
+        (a decode step: 1 to :data:`MIN_STEP_TOKENS` tokens) or of the prefill rate beyond it (a prefill step)."""
         now = self.clock()
-        if self._step_at is not None and self._step_tokens >= MIN_STEP_TOKENS and 0 < now - self._step_at <= MAX_STEP_S:
-            self.prefill.add(self._step_tokens / (now - self._step_at))
+        gap, n = now - (self._step_at if self._step_at is not None else now), self._step_tokens
+        if self._step_at is not None and 0 < gap <= MAX_STEP_S and n > 0:
+            if n >= MIN_STEP_TOKENS:
+                self.prefill.add(n / max(gap - (self.overhead.value or 0.0), gap / 10))
+            else:
+                self.overhead.add(gap)
         self._step_at, self._step_tokens = now, tokens
 
     def recompute_s(self, tokens: int) -> float | None:
-        """Seconds to recompute ``tokens`` at the measured prefill rate; None until it is measured."""
+        """Seconds to recompute ``tokens`` in a step of their own: the step's fixed part and the tokens at the
+        prefill rate (None until the rate is measured; 0 for no tokens). A step's cost is not linear in its tokens:
+        on a CPU engine a 512-token step took 170 ms and 2048-token ones 280-570 ms, not 4x; a linear cost
+        overstated what a request adds to a step others compute in (the rule's joining tokens)."""
         rate = self.prefill.value
-        return None if rate is None else max(tokens, 0) / rate
+        if rate is None or tokens <= 0:
+            return None if rate is None else 0.0
+        return (self.overhead.value or 0.0) + tokens / rate
 
     def load_s(self, nbytes: int, tail: bool = False) -> float | None:
         """Seconds to load ``nbytes``: a round trip (``tail``: at the slow end of recent ones, :attr:`RoundTrips.tail`)

@@ -15,22 +15,31 @@ finished receiving). With ``scheduler.load_deadline`` on, one still running past
   its store call returns (the bytes it read are dropped with their buffers); its request's blocks stay held
   (``delay_free``) until then, so no byte can land in a block vLLM has given back.
 
-On a device cache a chunk is copied from staging on a side stream; those loads are not cancelled (they run to their
-end, as without the rule). A load that finished just as its cancel reached the worker loads whole and is counted. A
-request preempted after its cancel while the store call is still stuck waits for it (the worker waits for every job
-of a preempted request, its saves included).
+On a device cache a chunk is verified into the load's host staging and its copies into the blocks are queued on a
+side stream, both under the load's lock, with an event after them (:attr:`LoadGuard.after`). A cancel (on the engine
+thread) makes the engine's stream wait for that event: the copies queued before the cancel end before anything the
+engine computes after it (the recompute), and none is queued after it. The host never waits for them.
+
+A load that finished just as its cancel reached the worker loads whole and is counted. A request preempted after its
+cancel does not wait for its stuck store call (:meth:`LoadCancels.preempted_jobs`): nothing of the load can land in
+its blocks any more. Its saves are still waited for (they read its blocks).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvdi.connectors.base import BlockTransfer, ConnectorStats
 from kvdi.connectors.store.deadline import DeadlineRule
-from kvdi.connectors.store.framing import Buffer
-from kvdi.connectors.store.protocol import BlockStore
+from kvdi.connectors.store.protocol import StoreView
+
+if TYPE_CHECKING:
+    from kvdi.connectors.store.blockio import CacheIO
+    from kvdi.connectors.streams import StreamOrder
 
 
 class LoadDeadlines:
@@ -67,34 +76,27 @@ class LoadDeadlines:
 
 @dataclass
 class LoadGuard:
-    """One background load's lock: held while a chunk is placed into its blocks; ``cancelled`` once a cancel took it."""
+    """One background load's lock: held while a chunk is placed into its blocks; ``cancelled`` once a cancel took it.
+    On a device cache (``order`` set), ``after`` is the event after the copies into its blocks queued so far."""
 
     block_ids: tuple[int, ...]
+    order: StreamOrder | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
+    after: Any = None
 
 
-class HostReads:
+class QueuedJob(Protocol):
+    """A worker's background job as :meth:`LoadCancels.preempted_jobs` reads it (the transfer queue's)."""
+
+    request_id: str
+    is_load: bool
+    future: Future[Any]
+
+
+class HostReads(StoreView):
     """A store view for a cancellable load: ``get_many`` only, so every object lands in a host buffer first (no
     ``get_into_many``, ``visit_many`` or ``place_many``: those write into the blocks inside the store call)."""
-
-    def __init__(self, store: BlockStore) -> None:
-        self._store = store
-
-    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        return self._store.get_many(keys)
-
-    def count_prefix(self, keys: Sequence[bytes]) -> int:
-        return self._store.count_prefix(keys)
-
-    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
-        return self._store.put_many(items)
-
-    def discard(self, key: bytes) -> None:
-        self._store.discard(key)
-
-    def close(self) -> None:
-        """The store is the worker's: closing a view closes nothing."""
 
 
 class LoadCancels:
@@ -107,11 +109,11 @@ class LoadCancels:
         self._cancelled: set[str] = set()  # reported at the cancel: the job's own outcome is dropped
         self.cancelled = 0  # loads cancelled (a gauge for tests and logs)
 
-    def open(self, transfer: BlockTransfer) -> LoadGuard | None:
-        """A guard for a background load about to be queued (None with the rule off)."""
+    def open(self, transfer: BlockTransfer, order: StreamOrder | None = None) -> LoadGuard | None:
+        """A guard for a background load about to be queued (None with the rule off); ``order``: a device cache's."""
         if not self.enabled:
             return None
-        guard = LoadGuard(tuple(transfer.block_ids))
+        guard = LoadGuard(tuple(transfer.block_ids), order)
         with self._lock:
             self._guards[transfer.request_id] = guard
         return guard
@@ -131,6 +133,9 @@ class LoadCancels:
             return None
         with guard.lock:  # waits for a chunk being placed (memory copies), never for the store
             guard.cancelled = True
+            after = guard.after
+        if after is not None and guard.order is not None:  # the engine's stream runs after the queued copies
+            guard.order.cuda.current_stream(guard.order.device).wait_event(after)
         with self._lock:
             self._cancelled.add(request_id)
         self.cancelled += 1
@@ -147,6 +152,17 @@ class LoadCancels:
                 out.append(request_id)
         return out
 
+    def preempted_jobs(self, jobs: Iterable[QueuedJob], request_ids: Collection[str] | None) -> list[Future[Any]]:
+        """The jobs of preempted ``request_ids`` (None: every request) to wait for before their blocks are reused:
+        all but the loads cancelled (a stuck store call places nothing after its cancel)."""
+        with self._lock:
+            cancelled = set(self._cancelled)
+        return [
+            j.future
+            for j in jobs
+            if (request_ids is None or j.request_id in request_ids) and not (j.is_load and j.request_id in cancelled)
+        ]
+
     def taken(self, request_id: str) -> bool:
         """True (once) when the request's load was cancelled and reported: its job's outcome is dropped."""
         with self._lock:
@@ -156,12 +172,19 @@ class LoadCancels:
             return False
 
 
-def placed(guard: LoadGuard | None, place: Callable[[], int]) -> int:
-    """``place()`` (a chunk verified into its blocks: how many) under the load's guard; 0 once it is cancelled."""
+def placed(guard: LoadGuard | None, place: Callable[[], int], io: CacheIO | None = None) -> int:
+    """``place()`` (a chunk verified into its blocks: how many) under the load's guard; 0 once it is cancelled. On a
+    device cache (``io`` staged) the chunk's copies into the blocks are queued under the guard too, and marked."""
     if guard is None:
         return place()
     with guard.lock:
-        return 0 if guard.cancelled else place()
+        if guard.cancelled:
+            return 0
+        good = place()
+        if io is not None and not io.direct and io.order is not None:
+            io.submit()  # queued on the job's side stream
+            guard.after = io.order.mark()
+        return good
 
 
 def failed_chunk(stats: ConnectorStats) -> int:
@@ -171,4 +194,4 @@ def failed_chunk(stats: ConnectorStats) -> int:
     return 0
 
 
-__all__ = ["HostReads", "LoadCancels", "LoadDeadlines", "LoadGuard", "failed_chunk", "placed"]
+__all__ = ["HostReads", "LoadCancels", "LoadDeadlines", "LoadGuard", "QueuedJob", "failed_chunk", "placed"]

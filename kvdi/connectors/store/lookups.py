@@ -121,6 +121,13 @@ class AsyncLookups:
         with self._lock:
             return sum(e.answer is None for e in self._entries.values())
 
+    def asked(self, request_id: str, first: int, keys: Sequence[bytes]) -> bool:
+        """True when the request's lookup of ``keys`` (from block ``first``) is queued, running or answered: the load
+        deadline judged it once, when it was made, and does not judge it again while vLLM asks again."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            return entry is not None and entry.sig == signature(first, keys)
+
     def answer(
         self, request_id: str, first: int, keys: Sequence[bytes], deadline_s: float = float("inf")
     ) -> Lookup | None:

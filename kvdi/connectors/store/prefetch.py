@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from kvdi.connectors.base import BlockTransfer
 from kvdi.connectors.store.framing import Buffer
 from kvdi.connectors.store.keys import KEY_BYTES
-from kvdi.connectors.store.protocol import BlockStore
+from kvdi.connectors.store.protocol import BlockStore, StoreView
 
 if TYPE_CHECKING:
     from kvdi.settings import TransferSettings
@@ -343,12 +343,12 @@ class HostStaging:
             self._staged.clear()
 
 
-class StagedReader:
+class StagedReader(StoreView):
     """A :class:`BlockStore` view for one load: its staged objects first (each handed out once), then the store."""
 
     def __init__(self, objects: dict[bytes, Buffer], store: BlockStore) -> None:
+        super().__init__(store)
         self._objects = objects
-        self._store = store
 
     def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         objects = [self._objects.pop(k, None) for k in keys]
@@ -357,18 +357,6 @@ class StagedReader:
             for i, obj in zip(missing, self._store.get_many([keys[i] for i in missing]), strict=True):
                 objects[i] = obj
         return objects
-
-    def count_prefix(self, keys: Sequence[bytes]) -> int:
-        return self._store.count_prefix(keys)
-
-    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
-        return self._store.put_many(items)
-
-    def discard(self, key: bytes) -> None:
-        self._store.discard(key)
-
-    def close(self) -> None:
-        """The store is the worker's: closing a view closes nothing."""
 
 
 def lookup_round_trip(store: BlockStore, tries: int = 5) -> float | None:

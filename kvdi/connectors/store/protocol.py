@@ -303,6 +303,30 @@ def written_count(result: object, count: int) -> int:
     return max(0, min(result, count))
 
 
+class StoreView:
+    """A view of the worker's store for one load: it forwards the :class:`BlockStore` methods to the store, and a
+    view overrides only ``get_many`` (what the load reads, and from where). It declares no optional capability, so a
+    load through it reads into host buffers; closing it closes nothing (the store is the worker's)."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self._store = store
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        return self._store.get_many(keys)
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        return self._store.count_prefix(keys)
+
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
+        return self._store.put_many(items)
+
+    def discard(self, key: bytes) -> None:
+        self._store.discard(key)
+
+    def close(self) -> None:
+        """The store is the worker's: closing a view closes nothing."""
+
+
 __all__ = [
     "HIT_SOURCES",
     "OPTIONAL_CAPABILITIES",
@@ -318,6 +342,7 @@ __all__ = [
     "ReadIntoStore",
     "SlottedStore",
     "StoreCapabilities",
+    "StoreView",
     "ViewStore",
     "health_checks",
     "leaf_stores",

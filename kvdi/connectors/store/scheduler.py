@@ -175,7 +175,8 @@ class StoreSchedulerConnector(SchedulerConnector):
         loadable = min(loadable_tokens(len(request.prompt_token_ids), bs) // bs, len(plan.keys))
         uncached = len(request.prompt_token_ids) - num_computed_tokens
         best = (loadable - first) * self._block_bytes  # the bytes of a whole hit: the best a lookup can find
-        if first < loadable and plan.looked_up_at != first and self.deadline.skip_lookup(uncached, best):
+        asked = self.lookups is not None and self.lookups.asked(request.request_id, first, plan.keys[first:])
+        if first < loadable and plan.looked_up_at != first and not asked and self.deadline.skip_lookup(uncached, best):
             return 0, False  # its round trip and even a whole hit's load cost more than recomputing the request
         if first < loadable and plan.looked_up_at != first and self.lookups is not None:
             held = self._answered(request.request_id, first, plan.keys[first:], uncached)

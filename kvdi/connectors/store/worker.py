@@ -210,7 +210,8 @@ class StoreWorkerConnector(WorkerConnector):
     def handle_preemptions(self, preempted_req_ids: Collection[str] | None = None) -> None:
         """Finish the jobs of requests whose blocks the engine is about to reuse (vLLM's preemption hook: it frees
         a preempted request's blocks without ``request_finished``); call before the next forward (None: all jobs)."""
-        self._queue.wait(None if preempted_req_ids is None else set(preempted_req_ids))
+        ids = None if preempted_req_ids is None else set(preempted_req_ids)
+        wait(self.cancels.preempted_jobs(self._queue.jobs, ids))  # not a cancelled load's stuck store call
         self._collect(self._queue.harvest(loads=False))
 
     def flush(self) -> None:
@@ -235,7 +236,7 @@ class StoreWorkerConnector(WorkerConnector):
             fence = ios.io.fence()  # CUDA: the jobs' copies follow the compute queued so far
             fetch = self._background(ios.io, fetch=True)  # made here: job threads never race to make it
             for transfer in meta.async_loads:
-                guard = self.cancels.open(transfer) if ios.io.direct else None  # a device cache's: not cancelled
+                guard = self.cancels.open(transfer, ios.io.order)
                 job = partial(self._load_job, ios, transfer, fence, fetch, guard)
                 self._queue.submit_load(transfer.request_id, transfer.block_ids, job)
 
@@ -267,12 +268,12 @@ class StoreWorkerConnector(WorkerConnector):
         guard: LoadGuard | None = None,
     ) -> Sequence[int]:
         """Load one request's blocks chunk by chunk; return the block ids not loaded (from the first bad one on).
-        With a ``guard`` (a cancellable load) objects land in host buffers, placed chunk by chunk under its lock."""
+        With a ``guard`` (a cancellable load) chunks are placed under its lock (a CPU cache's through host buffers)."""
         ids, keys = transfer.block_ids, transfer.block_keys
         n = self._blocks_per_call(io)
         spans = [(s, min(s + n, len(ids))) for s in range(0, len(ids), n)]
         store, caps = self.prefetching.source(transfer.request_id)
-        store, caps = (store, caps) if guard is None else (HostReads(store), STAGED)
+        store, caps = (store, caps) if guard is None or not io.direct else (HostReads(store), STAGED)  # staged: safe
         read = partial(read_chunk, store, caps, self._place, io)
         readahead = Readahead(caps.prefetch, keys, self._readahead)
         ahead = executor.submit(read, ids[: spans[0][1]], keys[: spans[0][1]]) if executor and spans else None
@@ -291,7 +292,7 @@ class StoreWorkerConnector(WorkerConnector):
                 span = slice(start, end)
                 good = load_one_by_one(self, io, ids[span], keys[span], stats) if guard is None else failed_chunk(stats)
             else:
-                good = placed(guard, partial(self._verify, io, chunk, stats))  # 0 once cancelled
+                good = placed(guard, partial(self._verify, io, chunk, stats), io)  # 0 once cancelled
             io.submit()  # queue this chunk's copies in; the next chunk's reads overlap them
             if start + good < end:
                 io.finish()
