@@ -34,6 +34,7 @@ from redis.retry import Retry
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.redis.bounded import INFO, SMALL, Bounds, CutReplies, read_replies
 from kvdi.connectors.redis.breaker import BreakerOpenError, BreakerState, CircuitBreaker
+from kvdi.connectors.redis.ranges import server_ranges
 from kvdi.connectors.redis.wire import (
     describe,
     describe_reply,
@@ -263,6 +264,7 @@ class RedisBlockStore:
     0.53 s against 0.26 s recomputed and 0.06-0.09 s loading synchronously, so ``auto`` loads Redis
     synchronously; ``KVDI_TRANSFER__ASYNC_LOAD=on`` still loads it beside the compute."""
     compressor: Compressor | None = None  # KVDI_REDIS__COMPRESSION (set by open_store): blocks compressed on writes
+    get_range_into_many = server_ranges  # bytes from an offset into pieces (a pack's sections): :mod:`.ranges`
 
     def __init__(self, options: RedisSettings, max_object_bytes: int | None = None) -> None:
         raw_url = options.url.get_secret_value()
@@ -319,9 +321,7 @@ class RedisBlockStore:
         replies = self._replies(
             read_exchange(self.node, [self._name(k) for k in keys], self.max_object_bytes), miss=True
         )
-        if replies is None:
-            return [None] * len(keys)
-        return [object_or_none(r, self.max_object_bytes) for r in replies]
+        return [None] * len(keys) if replies is None else [object_or_none(r, self.max_object_bytes) for r in replies]
 
     def get_into_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[int | None]:
         """Each key's object read straight into its pieces when it has their size (the socket's bytes land in
