@@ -15,12 +15,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvdi.connectors.redis.bounded import Bounds, Placed
+from kvdi.connectors.redis.exchange import Exchange, pack_command
 from kvdi.connectors.redis.wire import redirected
 from kvdi.connectors.store.blockio import scatter
 
 if TYPE_CHECKING:
     from kvdi.connectors.redis.cluster import RedisClusterBlockStore
-    from kvdi.connectors.redis.server import Exchange, RedisBlockStore, RedisNode
+    from kvdi.connectors.redis.server import RedisBlockStore, RedisNode
 
 RangeItem = tuple[bytes, int, Sequence[memoryview]]
 """A range read: the block key, the offset of the first byte, the pieces the bytes are read into."""
@@ -34,7 +35,6 @@ def wanted(pieces: Sequence[memoryview]) -> int:
 def range_exchange(node: RedisNode, names: Sequence[bytes], items: Sequence[RangeItem]) -> Exchange:
     """``STRLEN`` + ``GETRANGE`` per item (``names[i]`` the Redis key of ``items[i]``), replies bounded to each
     range's size in all (read them with :func:`range_sizes`)."""
-    from kvdi.connectors.redis.server import Exchange, pack_command
 
     packed, targets, most, total = bytearray(), [], 0, 0
     for name, (_, offset, pieces) in zip(names, items, strict=True):

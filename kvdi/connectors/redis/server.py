@@ -24,7 +24,6 @@ import logging
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
 
 import redis
@@ -32,8 +31,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.redis.bounded import INFO, SMALL, Bounds, CutReplies, read_replies
+from kvdi.connectors.redis.bounded import INFO, Bounds, CutReplies, read_replies
 from kvdi.connectors.redis.breaker import BreakerOpenError, BreakerState, CircuitBreaker
+from kvdi.connectors.redis.exchange import Exchange as Exchange  # re-exported: cluster, kvdi store
+from kvdi.connectors.redis.exchange import pack_command as pack_command
 from kvdi.connectors.redis.ranges import server_ranges
 from kvdi.connectors.redis.wire import (
     describe,
@@ -64,26 +65,6 @@ def client_options(options: RedisSettings) -> dict[str, Any]:
         "socket_timeout": options.op_timeout_s,
         "health_check_interval": 0,
     }
-
-
-def pack_command(*args: bytes) -> bytes:
-    """One command in RESP (arguments already bytes)."""
-    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
-
-
-@dataclass
-class Exchange:
-    """One server's share of a batch: packed commands out, raw replies (or the failure) back."""
-
-    node: RedisNode
-    chunks: list[Buffer]
-    replies: int
-    op: str
-    bounds: Bounds = SMALL  # what each reply may hold (:mod:`.bounded`): small integer / status replies by default
-    targets: Sequence[Sequence[memoryview]] | None = None  # where each value of that size is read into (reads)
-    result: list[object] | OSError | None = None
-    deadline: float = 0.0  # when the whole exchange (send and every reply) must be done, set by :meth:`RedisNode.send`
-    _conn: Any = field(default=None, repr=False)
 
 
 class RedisNode:
@@ -321,7 +302,9 @@ class RedisBlockStore:
         replies = self._replies(
             read_exchange(self.node, [self._name(k) for k in keys], self.max_object_bytes), miss=True
         )
-        return [None] * len(keys) if replies is None else [object_or_none(r, self.max_object_bytes) for r in replies]
+        if replies is None:
+            return [None] * len(keys)
+        return [object_or_none(r, self.max_object_bytes) for r in replies]
 
     def get_into_many(self, items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[int | None]:
         """Each key's object read straight into its pieces when it has their size (the socket's bytes land in
