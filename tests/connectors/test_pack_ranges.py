@@ -220,3 +220,30 @@ def test_a_tp2_reader_of_tp1_packs_reads_its_range_only_and_a_bad_section_in_it_
     assert isinstance(right.store, CanonicalBlockStore) and right.store.misses["checksum"] == 1
     assert all(torch.equal(dst[n][6], sentinel[n]) for n in dst)  # checked before a byte landed
     assert inner.get_range_into_many([(victim, 0, [])]) == [None]  # discarded: a writer may publish it again
+
+
+def test_a_server_ignoring_the_range_is_cut_and_one_rewriting_between_the_commands_misses() -> None:
+    """A ``GETRANGE`` reply longer than the range is never read (a miss, the connection dropped); one shorter than
+    ``STRLEN`` promised (the object rewritten between the two commands) is a miss too; the others load."""
+    from tests.connectors.test_redis_hostile import ScriptedRedis, bulk
+
+    def script(args: list[bytes], data: dict[bytes, bytes]) -> bytes | None:
+        if args[0].upper() == b"GETRANGE" and args[1].endswith(b"aa" * 16):
+            return b"$%d\r\n" % (64 << 20)  # a value of 64 MiB announced, never sent
+        if args[0].upper() == b"GETRANGE" and args[1].endswith(b"bb" * 16):
+            return bulk(b"xy")
+        return None
+
+    server = ScriptedRedis(script)
+    store = RedisBlockStore(RedisSettings(url=server.url, op_timeout_s=0.5))
+    try:
+        assert store.put_many([(k, [OBJECT]) for k in (b"\xaa" * 16, b"\xbb" * 16, KEY)]) == 3
+        short, good = pieces(8), pieces(8)
+        assert store.get_range_into_many([(b"\xbb" * 16, 0, short), (KEY, 8, good)]) == [None, len(OBJECT)]
+        assert bytes(short[0]) == b"\xee" * 8 and bytes(good[0]) == OBJECT[8:16]
+        cut = store.get_range_into_many([(KEY, 0, pieces(4)), (b"\xaa" * 16, 0, pieces(16)), (KEY, 4, pieces(4))])
+        assert cut == [len(OBJECT), None, None] and store.node.cut_replies == 1
+        assert store.get_range_into_many([(KEY, 0, good)]) == [len(OBJECT)]  # a fresh connection reads on
+    finally:
+        store.close()
+        server.close()
