@@ -36,6 +36,7 @@ from redis.retry import Retry
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.redis.bounded import Bounds
 from kvdi.connectors.redis.breaker import BreakerMoves, BreakerOpenError, BreakerState, CircuitBreaker
+from kvdi.connectors.redis.ranges import cluster_ranges
 from kvdi.connectors.redis.server import (
     Exchange,
     RedisNode,
@@ -152,6 +153,8 @@ class RedisClusterBlockStore:
                 for i, reply in zip(index, exchange.result, strict=True):
                     sizes[i] = placed_size(reply, limit, items[i][1])
         return sizes
+
+    get_range_into_many = cluster_ranges  # bytes from an offset into pieces, batched per node: :mod:`.ranges`
 
     def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
         """One ``SET`` per object on the master of its slot, batched per node; returns how many were stored."""

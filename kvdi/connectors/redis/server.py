@@ -24,7 +24,6 @@ import logging
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
 
 import redis
@@ -32,8 +31,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvdi.connectors.logging_once import log_once
-from kvdi.connectors.redis.bounded import INFO, SMALL, Bounds, CutReplies, read_replies
+from kvdi.connectors.redis.bounded import INFO, Bounds, CutReplies, read_replies
 from kvdi.connectors.redis.breaker import BreakerOpenError, BreakerState, CircuitBreaker
+from kvdi.connectors.redis.exchange import Exchange as Exchange  # re-exported: cluster, kvdi store
+from kvdi.connectors.redis.exchange import pack_command as pack_command
+from kvdi.connectors.redis.ranges import server_ranges
 from kvdi.connectors.redis.wire import (
     describe,
     describe_reply,
@@ -63,26 +65,6 @@ def client_options(options: RedisSettings) -> dict[str, Any]:
         "socket_timeout": options.op_timeout_s,
         "health_check_interval": 0,
     }
-
-
-def pack_command(*args: bytes) -> bytes:
-    """One command in RESP (arguments already bytes)."""
-    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
-
-
-@dataclass
-class Exchange:
-    """One server's share of a batch: packed commands out, raw replies (or the failure) back."""
-
-    node: RedisNode
-    chunks: list[Buffer]
-    replies: int
-    op: str
-    bounds: Bounds = SMALL  # what each reply may hold (:mod:`.bounded`): small integer / status replies by default
-    targets: Sequence[Sequence[memoryview]] | None = None  # where each value of that size is read into (reads)
-    result: list[object] | OSError | None = None
-    deadline: float = 0.0  # when the whole exchange (send and every reply) must be done, set by :meth:`RedisNode.send`
-    _conn: Any = field(default=None, repr=False)
 
 
 class RedisNode:
@@ -263,6 +245,7 @@ class RedisBlockStore:
     0.53 s against 0.26 s recomputed and 0.06-0.09 s loading synchronously, so ``auto`` loads Redis
     synchronously; ``KVDI_TRANSFER__ASYNC_LOAD=on`` still loads it beside the compute."""
     compressor: Compressor | None = None  # KVDI_REDIS__COMPRESSION (set by open_store): blocks compressed on writes
+    get_range_into_many = server_ranges  # bytes from an offset into pieces (a pack's sections): :mod:`.ranges`
 
     def __init__(self, options: RedisSettings, max_object_bytes: int | None = None) -> None:
         raw_url = options.url.get_secret_value()

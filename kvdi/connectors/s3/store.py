@@ -26,13 +26,14 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvdi.connectors.breaker import BreakerOpenError, BreakerState, CircuitBreaker
 from kvdi.connectors.logging_once import log_once
 from kvdi.connectors.s3.client import Outcome, describe, make_client, outcome
+from kvdi.connectors.store.blockio import scatter
 from kvdi.connectors.store.framing import Buffer
 from kvdi.masking import mask_url
 
@@ -46,6 +47,19 @@ PREFETCH_OBJECTS_PER_WORKER = 4  # reads kept ahead of the loads, per worker (ea
 SAVE_BATCH_PER_WORKER = 4  # blocks per put_many the worker half is asked to send, per worker (writes.py)
 UNSIZED_READ_BYTES = 1 << 30  # the bound of a read whose frame size the store was not told
 _TOTAL = re.compile(r"^bytes \d+-\d+/(\d+)$")
+
+
+def _as_range(got: Buffer | tuple[int | None, bytes | None] | None, offset: int, want: int) -> tuple[int | None, Any]:
+    """What a read ahead answers for a range: a range's (size, bytes), or a whole object's size and slice."""
+    if got is None or isinstance(got, tuple):
+        return got or (None, None)
+    view = memoryview(got).cast("B")
+    return view.nbytes, view[offset : offset + want] if offset + want <= view.nbytes else None
+
+
+def range_header(offset: int, want: int) -> str:
+    """The ``Range`` of ``want`` bytes from ``offset`` (of one byte when ``want`` is 0: an empty one is no range)."""
+    return f"bytes={offset}-{offset + max(want, 1) - 1}"
 
 
 class S3BlockStore:
@@ -72,6 +86,7 @@ class S3BlockStore:
         self._workers = options.workers
         self._ahead: OrderedDict[bytes, Future[Buffer | None]] = OrderedDict()
         self._ahead_cap = PREFETCH_OBJECTS_PER_WORKER * options.workers
+        self._ranges: OrderedDict[tuple[bytes, int, int], Future[tuple[int | None, bytes | None]]] = OrderedDict()
         self.save_batch_blocks = SAVE_BATCH_PER_WORKER * options.workers
         """Blocks per ``put_many`` that keep every connection busy (one object per request): saves come so batched."""
 
@@ -102,6 +117,43 @@ class S3BlockStore:
         rest = [k for k, f in zip(keys, ahead, strict=True) if f is None]
         fetched = iter(self._map(self._get, rest, miss=None))
         return [next(fetched) if f is None else f.result() for f in ahead]
+
+    def get_range_into_many(self, items: Sequence[tuple[bytes, int, Sequence[memoryview]]]) -> list[int | None]:
+        """Bytes from an offset into pieces (a pack's sections), one ranged ``GetObject`` each, in parallel: each
+        object's size (``Content-Range``), the pieces filled when it holds the range; None when absent, refused
+        (a ``416``: the offset past its end), answered short or failed (never raises). Ranges read ahead by
+        :meth:`prefetch_ranges` (or whole objects by :meth:`prefetch`) are taken from there, each once."""
+        if not items:
+            return []
+        wants = [(key, offset, sum(p.nbytes for p in pieces)) for key, offset, pieces in items]
+        with self._lock:
+            ahead = [self._ranges.pop(w, None) or self._ahead.pop(w[0], None) for w in wants]
+        rest = [w for w, f in zip(wants, ahead, strict=True) if f is None]
+        if rest and not self.breaker.allow():
+            self._count("breaker", len(rest))
+            fetched: Iterator[tuple[int | None, bytes | None]] = iter([(None, None)] * len(rest))
+        else:
+            fetched = iter([self._fetch_range(rest[0])] if len(rest) == 1 else self._pool.map(self._fetch_range, rest))
+        out: list[int | None] = []
+        for (_, offset, want), (_, _, pieces), f in zip(wants, items, ahead, strict=True):
+            size, data = next(fetched) if f is None else _as_range(f.result(), offset, want)
+            if data is not None:
+                scatter(data, pieces)
+            out.append(size)
+        return out
+
+    def prefetch_ranges(self, items: Sequence[tuple[bytes, int, int]]) -> bool:
+        """Start reading ``(key, offset, want)`` ranges on the pool for :meth:`get_range_into_many` (a canonical
+        reader's sections of its packs; at most ``4 x workers`` ahead, the oldest dropped first)."""
+        if not self.breaker.allow():
+            return False
+        with self._lock:
+            for item in items:
+                if item not in self._ranges:
+                    self._ranges[item] = self._pool.submit(self._fetch_range, item)
+            while len(self._ranges) > self._ahead_cap:
+                self._ranges.popitem(last=False)[1].cancel()
+        return True
 
     def prefetch(self, keys: Sequence[bytes]) -> bool:
         """:class:`~kvdi.connectors.store.PrefetchStore`: start reading ``keys`` on the pool (at most
@@ -166,6 +218,7 @@ class S3BlockStore:
         """Stop the thread pool and close the pooled connections; the store must not be used afterwards."""
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._ahead.clear()
+        self._ranges.clear()
         self.client.close()
 
     # the calls
@@ -224,6 +277,32 @@ class S3BlockStore:
                 body.close()
         self._succeeded()
         return data
+
+    def _fetch_range(self, item: tuple[bytes, int, int]) -> tuple[int | None, bytes | None]:
+        """One ranged ``GetObject``: the object's size, and the range's bytes when the object holds them."""
+        key, offset, want = item
+        if offset < 0:
+            return None, None
+        body = None
+        try:  # an empty range cannot be asked for: its first byte then, which every object of offset + 1 B has
+            reply = self.client.get_object(Bucket=self.bucket, Key=self.name(key), Range=range_header(offset, want))
+            body = reply.get("Body")
+            match = _TOTAL.match(str(reply.get("ContentRange") or ""))
+            size = self._sized(int(match.group(1)) if match else None)  # no Content-Range: the range was ignored
+            if size is None or body is None or offset + want > size or not want:
+                return size, b"" if size is not None and not want and offset <= size else None
+            data = body.read(want + 1)
+            if not isinstance(data, bytes) or len(data) != want:
+                self._count("truncated" if isinstance(data, bytes) and len(data) < want else "oversize")
+                return None, None
+        except Exception as exc:  # 404, 416 (the offset past the end), a connection that died mid-body
+            self._failed("get_range_into_many", exc)
+            return None, None
+        finally:
+            if body is not None:
+                body.close()
+        self._succeeded()
+        return size, data
 
     def _put(self, item: tuple[bytes, Sequence[Buffer]], errors: list[BaseException]) -> bool:
         key, pieces = item

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from kvdi.connectors.store.canonical import Geometry, RankPart, write_plan
 from kvdi.connectors.store.canonical_convert import unpack_block
 from kvdi.connectors.store.canonical_io import CanonicalRank
-from kvdi.connectors.store.canonical_pack import every_pack, max_pack_bytes
+from kvdi.connectors.store.canonical_pack import every_pack, frame_bytes, max_pack_bytes
 from kvdi.connectors.store.framing import HEADER_SIZE as FRAME_HEADER
 from kvdi.connectors.store.framing import Buffer, FrameKey, frame_header
 from kvdi.connectors.store.protocol import prefers_async_load
@@ -173,11 +173,14 @@ class CanonicalBlockStore:
     def prefetch(self, keys: Sequence[bytes]) -> bool:
         """:class:`~kvdi.connectors.store.PrefetchStore`: read ahead the sections this rank needs of ``keys``
         where the wrapped store can (S3: ranged reads in flight); False where it cannot (a hint, never raises)."""
-        ahead = getattr(self.inner, "prefetch", None)
+        ahead, ranges = getattr(self.inner, "prefetch", None), getattr(self.inner, "prefetch_ranges", None)
         if not callable(ahead) or not keys:
             return False
         try:
-            return bool(ahead([s.pack.key(k) for k in keys for s in self.rank.plans[self.rank.hint]]))
+            plan, frame = self.rank.plans[self.rank.hint], frame_bytes(self.rank.geometry)
+            if callable(ranges):  # S3: only this rank's sections of each pack, as the reads will ask for them
+                return bool(ranges([(s.pack.key(k), s.offset, s.count * frame) for k in keys for s in plan]))
+            return bool(ahead([s.pack.key(k) for k in keys for s in plan]))
         except Exception:
             return False
 
