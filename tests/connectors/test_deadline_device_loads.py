@@ -46,11 +46,15 @@ def _on_device(consumer: Engine, cuda: RecordingCuda, monkeypatch: pytest.Monkey
     assert not consumer.worker._ios.io.direct
 
 
-def _sent(store: CountingStore, clock: Clock, cuda: RecordingCuda, monkeypatch: pytest.MonkeyPatch) -> Engine:
-    """A consumer on a device cache whose background load of PROMPT's hit runs; the store's gate closed."""
+def _sent(
+    store: CountingStore, clock: Clock, cuda: RecordingCuda | None = None, monkeypatch: pytest.MonkeyPatch | None = None
+) -> Engine:
+    """A consumer (on a device cache when ``cuda`` is given) whose background load of PROMPT's hit runs; the
+    store's gate closed."""
     _stored(store)
     consumer = _consumer(store, clock, async_load="on")  # 16 tokens: the deadline 20 ms
-    _on_device(consumer, cuda, monkeypatch)
+    if cuda is not None and monkeypatch is not None:
+        _on_device(consumer, cuda, monkeypatch)
     sched, worker = consumer.scheduler, consumer.worker
     store.gate = threading.Event()
     assert sched.get_num_new_matched_tokens(PROMPT, 0) == (16, True)
@@ -125,15 +129,9 @@ def test_a_device_cache_s_cancel_orders_the_engine_s_stream_after_the_copies_que
 
 def test_a_request_preempted_after_its_cancel_does_not_wait_for_the_stuck_store_call() -> None:
     store, clock = CountingStore(), Clock()
-    _stored(store)
-    consumer = _consumer(store, clock, async_load="on")
-    sched, worker = consumer.scheduler, consumer.worker
-    store.gate = threading.Event()
-    assert sched.get_num_new_matched_tokens(PROMPT, 0) == (16, True)
-    sched.update_state_after_alloc(PROMPT, BLOCKS, 16)
-    worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput(1, ())))
-    worker.start_load_kv()
-    worker.clear_connector_metadata()
+    consumer = _sent(store, clock)
+    worker = consumer.worker
+    assert store.gate is not None
     saving = threading.Event()
 
     def save() -> Outcome:  # another request's save, still running: a preempted request's saves are waited for

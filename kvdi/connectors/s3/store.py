@@ -145,27 +145,25 @@ class S3BlockStore:
     def prefetch_ranges(self, items: Sequence[tuple[bytes, int, int]]) -> bool:
         """Start reading ``(key, offset, want)`` ranges on the pool for :meth:`get_range_into_many` (a canonical
         reader's sections of its packs; at most ``4 x workers`` ahead, the oldest dropped first)."""
-        if not self.breaker.allow():
-            return False
-        with self._lock:
-            for item in items:
-                if item not in self._ranges:
-                    self._ranges[item] = self._pool.submit(self._fetch_range, item)
-            while len(self._ranges) > self._ahead_cap:
-                self._ranges.popitem(last=False)[1].cancel()
-        return True
+        return self._read_ahead(self._ranges, items, self._fetch_range)
 
     def prefetch(self, keys: Sequence[bytes]) -> bool:
         """:class:`~kvdi.connectors.store.PrefetchStore`: start reading ``keys`` on the pool (at most
         ``4 x workers`` objects ahead; the oldest unclaimed reads are dropped first). True: reading ahead pays."""
+        return self._read_ahead(self._ahead, keys, self._get)
+
+    def _read_ahead(
+        self, table: OrderedDict[Any, Future[Any]], items: Sequence[Any], fetch: Callable[[Any], Any]
+    ) -> bool:
+        """Submit ``fetch(item)`` on the pool for each item not yet in ``table``; the oldest dropped past the cap."""
         if not self.breaker.allow():
             return False
         with self._lock:
-            for key in keys:
-                if key not in self._ahead:
-                    self._ahead[key] = self._pool.submit(self._get, key)
-            while len(self._ahead) > self._ahead_cap:
-                self._ahead.popitem(last=False)[1].cancel()
+            for item in items:
+                if item not in table:
+                    table[item] = self._pool.submit(fetch, item)
+            while len(table) > self._ahead_cap:
+                table.popitem(last=False)[1].cancel()
         return True
 
     def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> int:
