@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvdi.connectors.store.bytecopy import scatter
 from kvdi.connectors.store.canonical import Geometry, RankPart, write_plan
 from kvdi.connectors.store.canonical_convert import unpack_block
 from kvdi.connectors.store.canonical_io import CanonicalRank
@@ -268,7 +269,7 @@ class CanonicalBlockStore:
             layers = self._as_layers(payload)
             unpack_block(rank.geometry, rank.part, layers, rank.order, rank.reads, payloads)
             if layers is not payload:
-                _scatter(b"".join(layers), payload)
+                scatter(b"".join(layers), payload)
             rank.loaded_blocks += 1
             out.append(size)
         return out
@@ -300,13 +301,6 @@ class CanonicalBlockStore:
 
     def close(self) -> None:
         self.inner.close()
-
-
-def _scatter(data: bytes, pieces: Sequence[memoryview]) -> None:
-    offset = 0
-    for piece in pieces:
-        piece[:] = data[offset : offset + piece.nbytes]
-        offset += piece.nbytes
 
 
 __all__ = [
