@@ -1,18 +1,17 @@
 """The canonical stored format's cost against per-rank frames on the same bytes (``kvdi bench canonical``).
 
 kvdi's real store worker half saves and loads the same 1 MiB blocks (8 layers x 2 x 16 tokens x 8 KV heads x
-128 dims, fp32, ``nhc`` block order: vLLM's GPU default) to shared_storage folders, once with
-``format=per_rank`` and once with ``format=canonical``, for two grids: ``section_heads=8`` (one section a
-block: the format's own cost) and ``section_heads=1`` (a section a head, what a fleet of any TP size shares:
-still one object a block, a pack of the eight sections, but a section a head is not one run of an ``nhc``
-block: converted on the way in and out). Three operations (:data:`OPS`), both sides on the same blocks:
-``save`` of blocks never stored before (fresh keys each round, as the scheduler saves what the store lacks),
-``re-save`` of blocks already stored (per-rank frames are rewritten; canonical packs, published once, are
-kept) and ``load``. Rounds alternate ABBA, BAAB; each row is the ratio of the medians, with the lowest and
-highest per-round ratio in its note. Warm page cache. The files go under ``TMPDIR`` (the file system matters:
-a file's creation is most of a small object's cost). The issue's bar (at most 10 % over per-rank frames) is
-the target of every row. ``measure(order="hnc")`` (``benchmarks/canonical_cost.py``'s fourth argument) times
-``hnc`` blocks, whose one-head sections are runs of the cache (no conversion).
+128 dims, fp32) to shared_storage folders, once with ``format=per_rank`` and once with ``format=canonical``, for
+the grids of :data:`GRIDS`: ``section_heads=8`` (one section a block: the format's own cost) and
+``section_heads=1`` (a section a head, what a fleet of any TP size shares: still one object a block, a pack of
+the eight sections), the latter under ``hnc`` blocks (vLLM's CPU order, where a head's bytes of a layer are one
+run: no conversion) and under ``nhc`` blocks (vLLM's GPU order, where they are not: converted on the way in and
+out, one strided copy each way). Three operations (:data:`OPS`), both sides on the same blocks: ``save`` of
+blocks never stored before (fresh keys each round, as the scheduler saves what the store lacks), ``re-save`` of
+blocks already stored (per-rank frames are rewritten; canonical packs, published once, are kept) and ``load``.
+Rounds alternate ABBA, BAAB; each row is the ratio of the medians, with the lowest and highest per-round ratio
+in its note. Warm page cache. The files go under ``TMPDIR`` (the file system matters: a file's creation is most
+of a small object's cost). The issue's bar (at most 10 % over per-rank frames) is the target of every row.
 ``benchmarks/canonical_cost.py`` prints the same from the command line.
 """
 
@@ -121,17 +120,23 @@ def measure(rounds: int = 6, blocks: int = 32, heads: int = 1, order: str = "nhc
     return out
 
 
+GRIDS = ((LAYOUT.num_kv_heads, "nhc"), (1, "hnc"), (1, "nhc"))
+"""What ``run`` times: one section a block; the default grid (a section a head) under ``hnc``, vLLM's CPU block
+order, where a head's bytes of a layer are one run (no conversion); the default grid under ``nhc``, vLLM's GPU
+order, where each is ``block_size`` runs: the conversion (a strided copy each way) is in that row."""
+
+
 def run(quick: bool) -> list[BenchResult]:
-    """``kvdi bench canonical``: save, re-save and load, one section a block and a section a head."""
+    """``kvdi bench canonical``: save, re-save and load, for each of :data:`GRIDS`."""
     rounds, blocks = (4, 8) if quick else (10, 32)
     results = []
-    for heads in (LAYOUT.num_kv_heads, 1):
-        for cost in measure(rounds, blocks, heads):
+    for heads, order in GRIDS:
+        for cost in measure(rounds, blocks, heads, order):
             note = (
-                f"section_heads={heads}, {blocks} x 1 MiB nhc blocks on files; per round "
+                f"section_heads={heads}, {blocks} x 1 MiB {order} blocks on files; per round "
                 f"{min(cost.ratios):.2f}-{max(cost.ratios):.2f}x, {rounds} rounds"
             )
-            metric = f"{cost.op} ({'a section a block' if heads > 1 else 'a section a head'})"
+            metric = f"{cost.op} ({'a section a block' if heads > 1 else 'a section a head'}, {order})"
             ms = (cost.canonical * 1e3, cost.per_rank * 1e3)
             target = TARGET
             row = BenchResult("canonical", metric, "ms", *ms, "per-rank frames", cost.ratio, target, note, False)
@@ -139,4 +144,4 @@ def run(quick: bool) -> list[BenchResult]:
     return results
 
 
-__all__ = ["LAYOUT", "TARGET", "Cost", "measure", "run"]
+__all__ = ["GRIDS", "LAYOUT", "TARGET", "Cost", "measure", "run"]

@@ -15,6 +15,7 @@ from kvdi.connectors.store.canonical import (
     RankPart,
     Section,
     frame_kind,
+    frame_section,
     read_plan,
     write_plan,
 )
@@ -203,3 +204,37 @@ def test_plans_and_refusals() -> None:
         RankPart.of(g, 3, 0)
     with pytest.raises(ValueError, match="order='xyz'"):
         CanonicalRank(FileBlockStore(Path("/nonexistent")), g, RankPart.of(g), "xyz")
+
+
+class Kept:
+    """A store double keeping what ``put_many`` was given (each pack's pieces, joined)."""
+
+    def __init__(self) -> None:
+        self.items: dict[bytes, bytes] = {}
+
+    def put_many(self, items: list[tuple[bytes, list[bytes]]]) -> int:
+        self.items.update((name, b"".join(bytes(memoryview(p).cast("B")) for p in pieces)) for name, pieces in items)
+        return len(items)
+
+
+@pytest.mark.parametrize("order", ["hnc", "nhc"])
+@pytest.mark.parametrize("key", [None, FrameKey(b"k" * 32)])
+def test_packs_framed_in_one_pass_are_what_frame_section_writes(order: str, key: FrameKey | None) -> None:
+    """An unkeyed pack's headers are built in one pass from templates; each is byte for byte the header
+    frame_section makes of that section and payload (keyed packs take frame_section itself)."""
+    g = geometry(heads=4)
+    for part in tp(g, 2):
+        kept = Kept()
+        rank = CanonicalRank(kept, g, part, order, key)  # type: ignore[arg-type]
+        assert rank.save([(k, rank_layers(f, part, order)) for k, f in zip(KEYS, full_blocks(g), strict=True)]) == 3
+        assert len(kept.items) == 3
+        for block_key in KEYS:
+            (span,) = rank.packs
+            name = span.pack.key(block_key)
+            pack, at = kept.items[name], 0
+            for section in rank.writes:
+                n = g.section_bytes(section)
+                header, payload = pack[at : at + HEADER_SIZE], pack[at + HEADER_SIZE : at + HEADER_SIZE + n]
+                assert header == frame_section(g, section, payload, key, name=name)
+                at += HEADER_SIZE + n
+            assert at == len(pack)

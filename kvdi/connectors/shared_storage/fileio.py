@@ -50,10 +50,17 @@ def readv_full(fd: int, pieces: Sequence[memoryview]) -> int:
     return done
 
 
-def writev_full(fd: int, pieces: Sequence[Buffer]) -> int:
-    """Write all ``pieces`` to ``fd`` (retrying short writes); returns bytes written."""
-    bufs = [v for v in (memoryview(p).cast("B") for p in pieces) if v.nbytes]
+def writev_full(fd: int, pieces: Sequence[Buffer], total: int | None = None) -> int:
+    """Write all ``pieces`` to ``fd`` (retrying short writes); returns bytes written. With ``total`` (their bytes,
+    known to the caller) the first ``writev`` takes the pieces as they are, and they are viewed as bytes only
+    after a short write (a pack's many pieces: no view made per piece on the usual path)."""
     done = 0
+    if total is not None:
+        done = os.writev(fd, pieces)
+        if done == total:
+            return done
+    bufs = [v for v in (memoryview(p).cast("B") for p in pieces) if v.nbytes]
+    advance(bufs, done)
     while bufs:
         n = os.writev(fd, bufs)
         done += n

@@ -276,12 +276,13 @@ class FileBlockStore:
         return held
 
     def _write(self, sub: int, name: str, pieces: Sequence[Buffer], stamp: int) -> int:
-        if self.publish_once and self._held(sub, name, stamp, sum(memoryview(p).nbytes for p in pieces)):
+        total = sum(memoryview(p).nbytes for p in pieces)
+        if self.publish_once and self._held(sub, name, stamp, total):
             return 0
         fd, tmp = self._create(sub, name)
         try:
             try:
-                size = writev_full(fd, pieces)
+                size = writev_full(fd, pieces, total)
                 if self.max_bytes:
                     os.utime(fd, ns=(stamp, stamp))
                 if tmp is None:  # an anonymous file: give it its name (or a temp name, then rename over)

@@ -36,6 +36,7 @@ _CHECKED = struct.Struct("<4sHH16s16s8I2B6xQ")  # what the checksum covers besid
 _FIELDS = struct.Struct("<4sHH16s16s8I2B6xQQ")  # what the MAC covers besides the payload (96 B)
 _HEADER = struct.Struct("<4sHH16s16s8I2B6xQQ32s")
 HEADER_SIZE = _HEADER.size  # 128
+CHECKED_SIZE = _CHECKED.size  # 88: the checksum follows
 _NO_MAC = bytes(32)
 FORMATS = ("per_rank", "canonical")
 
@@ -374,6 +375,7 @@ def frame_kind(buf: Buffer) -> str:
 
 __all__ = [
     "CANONICAL_VERSION",
+    "CHECKED_SIZE",
     "FORMATS",
     "HEADER_SIZE",
     "MAGIC",

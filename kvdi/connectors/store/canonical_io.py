@@ -14,14 +14,18 @@ the first block that is not: that block and the ones after it are misses, counte
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+import xxhash
+
 from kvdi.connectors.store.canonical import (
+    CHECKED_SIZE,
     HEADER_SIZE,
     Geometry,
     RankPart,
     Section,
+    checked_fields,
     frame_section,
     read_plan,
     write_plan,
@@ -29,7 +33,7 @@ from kvdi.connectors.store.canonical import (
 from kvdi.connectors.store.canonical_convert import ORDERS, direct_runs, layer_bytes, pack_block, unpack_block
 from kvdi.connectors.store.canonical_pack import Span, frame_bytes, pack_bytes, pack_sizes, spans
 from kvdi.connectors.store.canonical_reads import RangeReader
-from kvdi.connectors.store.framing import Buffer, FrameKey
+from kvdi.connectors.store.framing import Buffer, FrameKey, name_field
 
 if TYPE_CHECKING:
     import torch
@@ -86,6 +90,7 @@ class CanonicalRank(RangeReader):
         self.read_runs = direct_runs(geometry, part, order, reads)
         """The same for the sections read (:meth:`load_direct`)."""
         self._write_cuts = self._cuts(self.writes, self.write_runs)
+        self._zero_headers = [checked_fields(geometry, s, bytes(16)) for s in self.writes]
         self._read_cuts = self._cuts(reads, self.read_runs)
 
     def object_bytes(self) -> int:
@@ -101,28 +106,56 @@ class CanonicalRank(RangeReader):
         if not self.writes or not blocks:
             return 0
         g = self.geometry
+        payloads: Iterable[list[list[memoryview]]]
         if self.write_runs is not None:  # no conversion: each section's bytes of a layer are one run of it
             payloads = [self._runs(layers, self._write_cuts) for _, layers in blocks]
-        else:
+        else:  # each block packed just before it is framed: its checksum reads it while it is in the CPU cache
             payloads = self._packed(blocks)
         items: list[tuple[bytes, Sequence[Buffer]]] = []
         for (block_key, _), sections in zip(blocks, payloads, strict=True):
             for span in self.packs:
-                name, pieces = span.pack.key(block_key), list[Buffer]()
-                for i in range(span.first, span.first + span.count):
-                    pieces += [frame_section(g, self.writes[i], sections[i], self.key, name=name), *sections[i]]
-                items.append((name, pieces))
+                name = span.pack.key(block_key)
+                items.append((name, self._framed(span, name, sections)))
         written = self.store.put_many(items)
         self.written_bytes += written * pack_bytes(g, self.packs[0].pack)
         return written
 
-    def _packed(self, blocks: Sequence[tuple[bytes, Layers]]) -> list[list[list[memoryview]]]:
-        """Each block's written sections' payloads, converted into this thread's save staging buffer."""
+    def _framed(self, span: Span, name: bytes, sections: Sequence[Sequence[Buffer]]) -> list[Buffer]:
+        """Pack ``name``'s pieces: each section of ``span`` framed, then its payload pieces. Without an integrity key
+        the headers are built in one pass into one buffer, from each section's header made once with the name field
+        zero (:attr:`_zero_headers`): the name spliced in, then the checksum (what :func:`frame_section` writes)."""
+        first, count = span.first, span.count
+        if self.key is not None:
+            g = self.geometry
+            return [
+                x
+                for i in range(first, first + count)
+                for x in (frame_section(g, self.writes[i], sections[i], self.key, name=name), *sections[i])
+            ]
+        field = name_field(name)
+        headers = bytearray(count * HEADER_SIZE)  # MAC field zero: no key
+        view, pieces = memoryview(headers), list[Buffer]()
+        for n in range(count):
+            zero = self._zero_headers[first + n]
+            checked = zero[:24] + field + zero[40:]
+            h = xxhash.xxh3_64()
+            for piece in sections[first + n]:
+                h.update(piece)
+            h.update(checked)
+            at = n * HEADER_SIZE
+            headers[at : at + CHECKED_SIZE] = checked
+            headers[at + CHECKED_SIZE : at + CHECKED_SIZE + 8] = h.intdigest().to_bytes(8, "little")
+            pieces.append(view[at : at + HEADER_SIZE])
+            pieces.extend(sections[first + n])
+        return pieces
+
+    def _packed(self, blocks: Sequence[tuple[bytes, Layers]]) -> Iterator[list[list[memoryview]]]:
+        """Each block's written sections' payloads, converted into this thread's save staging buffer (one block a
+        step: the caller frames each before the next is packed)."""
         g = self.geometry
         sizes = [g.section_bytes(s) for s in self.writes]
         per_block = sum(sizes)
         stage = self._staging.get("save", len(blocks) * per_block)
-        out = []
         for b, (_, layers) in enumerate(blocks):
             view = stage[b * per_block : (b + 1) * per_block]
             pack_block(g, self.part, layers, self.order, self.writes, view)
@@ -130,8 +163,7 @@ class CanonicalRank(RangeReader):
             for size in sizes:
                 sections.append([view[offset : offset + size]])
                 offset += size
-            out.append(sections)
-        return out
+            yield sections
 
     def _runs(self, layers: Layers, cuts: Sequence[tuple[range, int, int]]) -> list[list[memoryview]]:
         """Each section of ``cuts`` (:meth:`_cuts`) as its runs in ``layers`` (one a layer it covers)."""
