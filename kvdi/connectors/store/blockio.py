@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 from kvdi.connectors.store.bytecopy import gather as gather  # re-exported: cpu_offload, multi, redis use them
 from kvdi.connectors.store.bytecopy import scatter as scatter
-from kvdi.connectors.store.copies import OrderedCopies
 from kvdi.connectors.store.framing import HEADER_SIZE
+from kvdi.connectors.store.staged_order import ReorderedCopies, staged_order
 from kvdi.connectors.streams import StreamOrder, order_for
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvdi.allocator import Staging
+    from kvdi.layout import KVCacheSpec
 
 
 @runtime_checkable
@@ -52,7 +53,7 @@ class SaveTicket(NamedTuple):
     block_ids: tuple[int, ...]
 
 
-class CacheIO(OrderedCopies):
+class CacheIO(ReorderedCopies):
     """Per-layer uint8 views of the caches, plus staging for device caches.
 
     A device cache (``direct`` False) moves a chunk of up to ``chunk`` blocks with a fixed number of calls,
@@ -61,6 +62,7 @@ class CacheIO(OrderedCopies):
     block ``i`` of the chunk, layer after layer, and the scratch moves to or from a pinned host chunk in one
     ``copy_``. A staged block is one contiguous run (one piece); the host chunks form a ring of :data:`SLOTS`,
     each with the event after its copies, so the store I/O of one chunk overlaps the copies of the previous one.
+    With ``reorder`` set (:mod:`.staged_order`) a chunk is permuted into a canonical store's order on the device.
     """
 
     def __init__(
@@ -153,7 +155,7 @@ class CacheIO(OrderedCopies):
     @property
     def device_scratch_bytes(self) -> int:
         """Device bytes this CacheIO holds outside the cache: 0 until its first staged copy."""
-        return 0 if self._scratch is None else self.chunk * (self._row_bytes + 8)
+        return (0 if self._scratch is None else self.chunk * (self._row_bytes + 8)) + self.reordered_bytes
 
     # -- the ring -------------------------------------------------------------------------------
 
@@ -240,7 +242,7 @@ class CacheIO(OrderedCopies):
         src = self._pinned_payload(frame)
         if src is None:
             return False
-        self._copy(self._device()[i], src)
+        self._copy(self._landing(self._device())[i], src)
         self._straight.add(i)
         self._lent = self.order.mark()
         return True
@@ -264,13 +266,14 @@ class CacheIO(OrderedCopies):
         rows = self._device()
         ids, self._committed = self._committed, []
         straight, self._straight = self._straight, set()
-        n, lw = len(ids), self._layer_words
+        n, lw, landed = len(ids), self._layer_words, self._landing(rows)
         index = self._upload(ids)
         if not straight:
-            self._copy(rows[:n], self._rows[self._slot][:n])
+            self._copy(landed[:n], self._rows[self._slot][:n])
         for r in range(n):  # a chunk mixing both (never from one store): the staged rows one by one
             if straight and r not in straight:
-                self._copy(rows[r], self._rows[self._slot][r])
+                self._copy(landed[r], self._rows[self._slot][r])
+        self._to_cache_order(landed, rows, n)
         scratch = self._scratch_words[:n]
         for l, u in enumerate(self._words):  # noqa: E741
             self._scatter(u, index, scratch[:, l * lw : (l + 1) * lw])
@@ -296,6 +299,7 @@ class CacheIO(OrderedCopies):
         scratch = self._scratch_words[:n]
         for l, u in enumerate(self._words):  # noqa: E741
             self._gather(scratch[:, l * lw : (l + 1) * lw], u, index)
+        rows = self._to_store_order(rows, n)  # converting (:mod:`.staged_order`): one permuted copy on the device
         held = self.sink.reserve(n, self._row_bytes) if self.sink is not None and self.order is not None else None
         if held is None:
             self._copy(self._rows[self._slot][:n], rows[:n])
@@ -347,15 +351,18 @@ class CacheIOs:
     def __init__(
         self, caches: Sequence[torch.Tensor], layer_bytes: int, chunk: int, buffers: Staging | None, owner: str,
         staging: bool | None = None, device_chunk: int | None = None, sink: object = None,
+        layout: KVCacheSpec | None = None,
     ) -> None:  # fmt: skip
-        """``sink``: the store; when it lends slots (:class:`SlotSink`) device saves copy into them straight."""
+        """``sink``: the store; when it lends slots (:class:`SlotSink`) device saves copy into them straight; with
+        ``layout``, a staged cache's chunks go in the store's block order where it asks (:func:`staged_order`)."""
         self.caches = list(caches)
         self._args = (layer_bytes, chunk, buffers, owner, device_chunk)
         self._sink: SlotSink | None = sink if isinstance(sink, SlotSink) else None
         self.io = CacheIO(
             self.caches, layer_bytes, chunk, staging, buffers, owner=f"{owner}/cache", device_chunk=device_chunk
         )
-        self.io.sink = self._sink
+        self._reorder = staged_order(sink, layout, not self.io.direct)
+        self.io.sink, self.io.reorder = self._sink, self._reorder
         self._free: list[CacheIO] = []
         self._made = itertools.count()  # next() is atomic: load jobs take from their own threads
 
@@ -369,7 +376,7 @@ class CacheIOs:
             layer_bytes, chunk, buffers, owner, device_chunk = self._args
             name = f"{owner}/job{next(self._made)}"
             made = CacheIO(self.caches, layer_bytes, chunk, True, buffers, owner=name, device_chunk=device_chunk)
-            made.sink = self._sink
+            made.sink, made.reorder = self._sink, self._reorder
             return made
 
     def give_back(self, io: CacheIO) -> None:

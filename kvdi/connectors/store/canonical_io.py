@@ -70,13 +70,10 @@ class CanonicalRank(RangeReader):
     def __init__(
         self, store: BlockStore, geometry: Geometry, part: RankPart, order: str = "", key: FrameKey | None = None
     ) -> None:
-        if order not in ORDERS:
-            raise ValueError(f"order={order!r} is not a stored block order; allowed: {', '.join(map(repr, ORDERS))}")
         self.writes: list[Section] = write_plan(geometry, part)
         reads = read_plan(geometry, part)
         super().__init__(store, geometry, key, reads)
         self.part = part
-        self.order = order
         self.packs: list[Span] = spans(geometry, self.writes, part.write_count) if self.writes else []
         """The packs this rank writes of a block (one a layer section), each all of its written sections."""
         self.plans: list[list[Span]] = [spans(geometry, reads, d) for d in pack_sizes(geometry)]
@@ -84,14 +81,26 @@ class CanonicalRank(RangeReader):
         self.loaded_blocks = 0
         self.written_bytes = 0
         self._staging = Staging()
-        self.write_runs = direct_runs(geometry, part, order, self.writes)
+        self._zero_headers = [checked_fields(geometry, s, bytes(16)) for s in self.writes]
+        self.reorder(order)
+
+    def direct(self, order: str) -> bool:
+        """Whether blocks in ``order`` are written and read as they are (every section one run of each layer)."""
+        g, p = self.geometry, self.part
+        return direct_runs(g, p, order, self.writes) is not None and direct_runs(g, p, order, self.reads) is not None
+
+    def reorder(self, order: str) -> None:
+        """From now on the blocks saved and loaded are in block ``order`` (one of :data:`ORDERS`)."""
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r} is not a stored block order; allowed: {', '.join(map(repr, ORDERS))}")
+        self.order = order
+        self.write_runs = direct_runs(self.geometry, self.part, order, self.writes)
         """Each written section's offset in its layers' buffers (its bytes of a layer, one run), or None:
         converted through a staging buffer."""
-        self.read_runs = direct_runs(geometry, part, order, reads)
+        self.read_runs = direct_runs(self.geometry, self.part, order, self.reads)
         """The same for the sections read (:meth:`load_direct`)."""
         self._write_cuts = self._cuts(self.writes, self.write_runs)
-        self._zero_headers = [checked_fields(geometry, s, bytes(16)) for s in self.writes]
-        self._read_cuts = self._cuts(reads, self.read_runs)
+        self._read_cuts = self._cuts(self.reads, self.read_runs)
 
     def object_bytes(self) -> int:
         """The bytes of one framed section in a pack (uniform: the grid divides the model)."""

@@ -147,6 +147,21 @@ class CanonicalBlockStore:
         self._layers = layout.num_layers
         self._layer_bytes = layout.layer_block_bytes
         self._block_bytes = layout.block_bytes
+        self._layout_order = layout.block_order
+
+    def direct_frame_order(self) -> str:
+        """:class:`~.staged_order.FrameOrderStore`: the block order whose frames this rank's sections are runs of
+        (written from and read into as they are): the layout's where it is, else ``hnc`` where that is (one-head
+        sections; a device cache converts into it on the device), else the layout's (converted on the host)."""
+        if self.rank.direct(self._layout_order) or not self.rank.direct("hnc"):
+            return self._layout_order
+        return "hnc"
+
+    def use_frame_order(self, order: str) -> None:
+        """:class:`~.staged_order.FrameOrderStore`: the frames put, got and placed from now on are in block
+        ``order`` (told at registration; frames built by :meth:`get_many` keep the layout's fingerprint: they
+        reach only this process's worker half, which converts them back on the device)."""
+        self.rank.reorder(order)
 
     @property
     def misses(self) -> Counter[str]:
@@ -195,7 +210,8 @@ class CanonicalBlockStore:
         payload = pieces[1:]
         if len(payload) == self._layers and all(memoryview(p).nbytes == self._layer_bytes for p in payload):
             return list(payload)
-        flat = memoryview(b"".join(payload))
+        row = payload[0] if len(payload) == 1 else None  # a staged row: viewed, not copied
+        flat = row.cast("B") if isinstance(row, memoryview) and row.c_contiguous else memoryview(b"".join(payload))
         if flat.nbytes != self._block_bytes:
             raise ValueError(f"a frame of {flat.nbytes} B of payload, this layout's block has {self._block_bytes} B")
         lb = self._layer_bytes
@@ -254,9 +270,10 @@ class CanonicalBlockStore:
 
     def _place(self, items: Sequence[tuple[bytes, Sequence[memoryview]]], direct: bool) -> list[int | None]:
         rank, size = self.rank, self._block_bytes
-        direct = direct and rank.read_runs is not None and all(self._per_layer(p) for _, p in items)
+        layered = [self._split(p) for _, p in items]  # a staged row (one piece) as its layers, no copy
+        direct = direct and rank.read_runs is not None and all(p is not None for p in layered)
         if direct:
-            loaded = rank.load_direct(items)
+            loaded = rank.load_direct([(key, p or ()) for (key, _), p in zip(items, layered, strict=True)])
             rank.loaded_blocks += sum(loaded)
             return [size if ok else None for ok in loaded]
         out: list[int | None] = []
@@ -280,6 +297,15 @@ class CanonicalBlockStore:
 
     def _per_layer(self, payload: Sequence[memoryview]) -> bool:
         return len(payload) == self._layers and all(p.nbytes == self._layer_bytes for p in payload)
+
+    def _split(self, payload: Sequence[memoryview]) -> Sequence[memoryview] | None:
+        """``payload`` as one view per layer: itself, or a contiguous block's (a staged row) slices; else None."""
+        if self._per_layer(payload):
+            return payload
+        if len(payload) != 1 or payload[0].nbytes != self._block_bytes or not payload[0].c_contiguous:
+            return None
+        flat, lb = payload[0].cast("B"), self._layer_bytes
+        return [flat[i * lb : (i + 1) * lb] for i in range(self._layers)]
 
     def _as_layers(self, payload: Sequence[memoryview]) -> Sequence[memoryview]:
         """``payload`` itself when it is one view per layer, else fresh per-layer buffers to scatter after."""

@@ -106,7 +106,7 @@ class StoreWorkerConnector(WorkerConnector):
         tensors = [kv_caches[n] for n in names] if len(names) == len(kv_caches) else list(kv_caches.values())
         # A new registration replaces the old one whole: jobs still running give their staging back to the old one.
         args = (tensors, layout.layer_block_bytes, self._chunk, self.context.staging, f"{self.name}/store")
-        self._ios = CacheIOs(*args, device_chunk=self._device_chunk, sink=self.store)
+        self._ios = CacheIOs(*args, device_chunk=self._device_chunk, sink=self.store, layout=layout)
 
     @property
     def inflight_bytes(self) -> int:  # queued asynchronous saves: a gauge (:class:`~kvdi.connectors.base.WorkerGauges`)
