@@ -294,6 +294,93 @@ def test_store_halves_stage_a_cuda_cache_through_shared_storage(
     assert (outputs[1].num_loaded_tokens, outputs[2].num_loaded_tokens) == (0, 36)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_canonical_store_gets_hnc_sections_permuted_on_the_gpu_from_an_nhc_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """Issue 30: a CUDA ``nhc`` cache saving to canonical shared_storage is permuted into ``hnc`` on the device
+    (one copy a chunk more each way, no host conversion), and a TP=1 and a TP=2 ``hnc`` host cache, and the
+    CUDA cache itself, load exactly its bytes back. Random bytes, NaN patterns included."""
+    import kvdi.connectors.store.blockio as blockio
+    import kvdi.connectors.store.canonical_io as canonical_io
+    import kvdi.connectors.store.canonical_store as canonical_store
+    from kvdi.connectors.base import (
+        BlockTransfer,
+        BlockTransferMetadata,
+        ConnectorContext,
+        KVConnectorRole,
+        run_transfer_step,
+    )
+    from kvdi.connectors.shared_storage import open_store
+    from kvdi.connectors.store import StoreWorkerConnector
+    from kvdi.connectors.store.canonical_store import part_tag
+    from kvdi.connectors.streams import StreamOrder, TorchCuda
+    from kvdi.settings import KvdiSettings
+
+    calls: list[str] = []
+
+    class Counted(TorchCuda):
+        def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+            calls.append("copy")
+            super().copy(dst, src)
+
+        def gather(self, out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+            calls.append("gather")
+            super().gather(out, src, index)
+
+        def scatter(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+            calls.append("scatter")
+            super().scatter(dst, index, src)
+
+    def host_conversion(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a strided host conversion of a staged block")
+
+    monkeypatch.setattr(blockio, "order_for", lambda device: StreamOrder(torch.device(device), Counted()))
+    for module in (canonical_io, canonical_store):
+        monkeypatch.setattr(module, "unpack_block", host_conversion)
+    monkeypatch.setattr(canonical_io, "pack_block", host_conversion)
+    layers, heads, dim, bs, blocks = 4, 4, 64, 16, 24
+    torch_dtype = getattr(torch, dtype)
+    settings = KvdiSettings(
+        kv_role="kv_both", engine_id="t", shared_storage={"path": str(tmp_path), "format": "canonical"}
+    )
+
+    def worker(tag: str, kv_heads: int, order: str, caches: dict[str, torch.Tensor]) -> StoreWorkerConnector:
+        layout = KVCacheSpec(f"m{tag}", layers, kv_heads, dim, bs, dtype, block_order=order)
+        store = open_store(settings.shared_storage, layout, settings)
+        half = StoreWorkerConnector(ConnectorContext("s", KVConnectorRole.WORKER, settings, layout, None, store))
+        half.register_kv_caches(caches)
+        return half
+
+    def step(half: StoreWorkerConnector, ids: range, save: bool) -> None:
+        transfer = (BlockTransfer("r", tuple(ids), keys),)
+        assert (
+            run_transfer_step(half, BlockTransferMetadata(() if save else transfer, transfer if save else ())) == set()
+        )
+        half.flush()
+
+    names = [f"layers.{i}" for i in range(layers)]
+    src = {n: _random((blocks, bs, heads, 2 * dim), torch_dtype, seed=i) for i, n in enumerate(names)}  # nhc
+    keys = tuple(bytes([b + 1]) * 16 for b in range(8))
+    device = worker("#canonical", heads, "nhc", src)
+    step(device, range(8), save=True)
+    assert calls == ["copy", *["gather"] * layers, "copy", "copy"]  # ids, gathers, the permute, to the host
+    del calls[:]
+    step(device, range(8, 16), save=False)
+    assert calls == ["copy", "copy", "copy", *["scatter"] * layers]  # ids, from the host, the permute, scatters
+    for n in names:
+        assert _same_bytes(src[n][8:16], src[n][0:8]), n
+    hnc = {n: t[0:8].permute(0, 2, 1, 3).cpu() for n, t in src.items()}  # [B, H, N, 2D]
+    for tag, share in [("#canonical", slice(0, heads))] + [
+        (part_tag(0, layers, layers, r, 2, heads), slice(r * heads // 2, (r + 1) * heads // 2)) for r in range(2)
+    ]:
+        n_heads = share.stop - share.start
+        dst = {n: torch.zeros((blocks, n_heads, bs, 2 * dim), dtype=torch_dtype) for n in names}  # a host cache
+        step(worker(tag, n_heads, "hnc", dst), range(16, 24), save=False)
+        for n in names:
+            assert _same_bytes(dst[n][16:24], hnc[n][:, share]), (tag, n)
+
+
 # -- stream discipline (issue 22): compute on a non-default current stream, as vLLM does ------------------
 SLEEP_CYCLES = 200_000_000  # torch.cuda._sleep: keeps a stream busy for a good fraction of a second
 

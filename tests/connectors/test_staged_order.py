@@ -184,3 +184,30 @@ def test_a_new_registration_of_a_host_cache_undoes_the_conversion(
     monkeypatch.setattr(blockio, "CacheIOs", blockio.CacheIOs.func)
     worker.register_kv_caches(caches(NHC, hnc=False, seed=5))  # a CPU cache: read and written as it is
     assert store.rank.order == "nhc" and store.rank.write_runs is None
+
+
+@pytest.mark.parametrize("store_format", ["per_rank", "canonical"])
+def test_a_chunk_of_16_blocks_of_32_layers_takes_34_calls_each_way_and_one_more_converted(
+    tmp_path: Path, staged: RecordingCuda, store_format: str
+) -> None:
+    """The issue-29 count (ids up, 32 gathers or scatters, one host copy) stays 34 for per-rank frames; converting
+    adds the one permuted copy: 35, whatever the number of blocks or layers. One host wait each way."""
+    from kvdi.connectors.base import BlockTransfer, BlockTransferMetadata, run_transfer_step
+
+    layout = KVCacheSpec(f"big{'#canonical' if store_format == 'canonical' else ''}", 32, 2, 8, 4, "float32",
+                         block_order="nhc")  # fmt: skip
+    store = canonical(tmp_path, layout) if store_format == "canonical" else FileBlockStore(tmp_path)
+    src = {n: torch.randn(32, 4, 2, 16) for n in layout.layer_names}
+    worker = half(store, layout, src)
+    keys = tuple(bytes([b]) * 16 for b in range(16))
+    counts = []
+    for ids, save in [(tuple(range(16)), True), (tuple(range(16, 32)), False)]:
+        del staged.log[:]
+        transfer = (BlockTransfer("r", ids, keys),)
+        assert (
+            run_transfer_step(worker, BlockTransferMetadata(() if save else transfer, transfer if save else ()))
+            == set()
+        )
+        counts.append((len(kinds(staged.log)), count_host_waits(staged.log)))
+    assert counts == [(34 + (store_format == "canonical"), 1)] * 2
+    assert all(torch.equal(t[16:], t[:16]) for t in src.values())
