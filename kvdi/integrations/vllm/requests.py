@@ -22,16 +22,26 @@ def kv_request(request: Any) -> KVRequest:
     them never share KV. Requests with prompt embeddings instead of token ids get no
     tokens (never cached).
     """
+    return KVRequest(str(request.request_id), token_ids(getattr(request, "prompt_token_ids", None)), kv_salt(request))
+
+
+def kv_salt(request: Any) -> str | None:
+    """The salt :func:`kv_request` gives ``request`` (cache salt, LoRA, images), without its tokens."""
     salt = getattr(request, "cache_salt", None)
     lora = getattr(request, "lora_request", None)
     lora_name = None if lora is None else str(getattr(lora, "lora_name", lora))
     mm = [str(getattr(f, "identifier", f)) for f in getattr(request, "mm_features", None) or ()]
-    tokens = getattr(request, "prompt_token_ids", None) or ()
-    return KVRequest(
-        str(request.request_id),
-        tuple(int(t) for t in tokens),
-        compose_salt(None if salt is None else str(salt), lora_name, mm),
-    )
+    return compose_salt(None if salt is None else str(salt), lora_name, mm)
+
+
+def token_ids(tokens: Any) -> tuple[int, ...]:
+    """Prompt token ids as a tuple of ints: vLLM's list of ints copied as it is (about 1 µs for 800 tokens, where a
+    conversion token by token took 50 µs of every lookup); anything else (numpy integers, an array) converted."""
+    if tokens is None:
+        return ()
+    if type(tokens) is list and (not tokens or (type(tokens[0]) is int and type(tokens[-1]) is int)):
+        return tuple(tokens)
+    return tuple(map(int, tokens))
 
 
 class RequestTracker:

@@ -22,6 +22,25 @@ def test_plain_request_has_tokens_and_no_salt() -> None:
     assert (req.request_id, req.prompt_token_ids, req.cache_salt) == ("r", (1, 2), None)
 
 
+def test_tokens_of_any_integer_type_are_python_ints_and_key_the_same_blocks() -> None:
+    """vLLM's list of ints is taken as it is; numpy integers, an array or a tuple give the same Python ints (and so
+    the same block keys); no tokens (prompt embeddings) give none."""
+    import numpy as np
+
+    from kvdi.connectors.store.keys import block_keys
+    from kvdi.layout import KVCacheSpec
+
+    layout = KVCacheSpec("m", 2, 2, 8, 4, "float16")
+    ids = list(range(7, 19))
+    want = kv_request(_request(tokens=ids)).prompt_token_ids
+    assert want == tuple(ids)
+    for other in ([np.int64(t) for t in ids], np.asarray(ids, dtype=np.int32), tuple(ids), [*ids[:-1], np.int64(18)]):
+        got = kv_request(_request(tokens=other)).prompt_token_ids  # type: ignore[arg-type]
+        assert got == want and all(type(t) is int for t in got)
+        assert block_keys(list(got), layout) == block_keys(ids, layout)
+    assert kv_request(_request(tokens=[])).prompt_token_ids == ()
+
+
 def test_salt_covers_cache_salt_lora_and_images() -> None:
     salted = kv_request(
         _request(

@@ -381,9 +381,9 @@ class WorkerFleet:
 
 
 def _kv_salt(request: Any) -> str | None:
-    from kvdi.integrations.vllm.requests import kv_request
+    from kvdi.integrations.vllm.requests import kv_salt
 
-    return kv_request(request).cache_salt
+    return kv_salt(request)
 
 
 def _transport_stored(key: bytes, medium: str, locality: str) -> BlockStored:

@@ -1,0 +1,308 @@
+"""Benchmark: kvdi against the do-nothing connector inside ONE ``vllm serve``, alternated pass by pass.
+
+Usage (the vLLM venv, from the repository root)::
+
+    PYTHONPATH=$PWD .venv-vllm/bin/python -m benchmarks.vllm.bench_serve_switch [--configs null] [--rounds 8]
+
+Why: two ``vllm serve`` processes with the same connector differ by 5-10 % in inter-token latency on this 2-core
+machine (``docs/bench-serve-power.md``), so :mod:`.bench_serve`, one server per configuration, cannot decide issue
+31's 3 % and 5 % bars. Here each kvdi configuration runs in one server behind
+:class:`.switch_connector.SwitchConnector`, whose hooks answer either as kvdi or as the do-nothing connector; the
+mode flips between passes while the server is idle. Each round runs, for each mode (``noop`` then ``kvdi``, the
+order swapped every round: ABBA), the passes of :mod:`.bench_serve` on the same prompts (vLLM's ``bench serve``
+client, ``prefix_repetition``, vLLM's prefix cache reset before each mode's ``cold`` pass): ``cold`` (kvdi
+stores), ``hit`` (vLLM's cache holds every prefix) and ``load`` (vLLM's cache reset: kvdi loads, noop recomputes).
+Every pass reads vLLM's engine-side inter-token histogram (``/metrics``) before and after. The ratio kvdi / noop of
+each figure is taken within a round (same server, same prompts, seconds apart); the table gives their geometric
+mean over rounds with its 90 % t interval, and each bar's verdict (``pass`` when the interval's top is at most the
+bar, ``FAIL`` when its bottom is above it, else ``undecided``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.vllm import bench_serve as serve
+from benchmarks.vllm.bench_serve_pooled import bar, interval_cell, judge
+from benchmarks.vllm.bench_serve_stats import histogram_delta, histogram_quantiles, repeat_interval
+from benchmarks.vllm.vllm_cli import patch_version
+from tests.real_vllm.serve_support import model_with_tokenizer
+from tests.real_vllm.vllm_support import make_tiny_llama
+
+CONFIGS = serve.KVDI_CONFIGS
+MODES = ("noop", "kvdi")
+"""The switch's modes (:mod:`.switch_connector`, which imports vLLM: this module does not)."""
+FIGURES = ("server ITL p50", "server ITL p90", "server ITL mean", "TTFT p50", "TTFT p90")
+SWITCH = {"kv_connector": "SwitchConnector", "kv_connector_module_path": "benchmarks.vllm.switch_connector"}
+
+
+def reports(folder: Path) -> dict[int, dict[str, Any]]:
+    """Each switch connector's last report (pid, mode, hook times), by pid."""
+    return {int(path.name): json.loads(path.read_text()) for path in folder.glob("[0-9]*")}
+
+
+def acks(folder: Path) -> dict[int, str]:
+    """Each switch connector's process and its mode, as it last wrote them."""
+    return {pid: report["mode"] for pid, report in reports(folder).items()}
+
+
+STEP_HOOKS = ("build_connector_meta", "bind_connector_metadata")
+"""The hook vLLM calls once a step in each role (scheduler, worker): the steps a report's times are over."""
+
+
+def hook_times(folder: Path) -> dict[str, dict[str, Any]]:
+    """Per mode: each role's steps, its hooks' time per step (µs) and the three costliest hooks (µs a step)."""
+    out: dict[str, dict[str, Any]] = {}
+    for report in reports(folder).values():
+        for mode, hooks in report["times"].items():
+            role = next((h for h in STEP_HOOKS if h in hooks), None)
+            if role is None:
+                continue
+            steps = hooks[role][0]
+            per = {name: ns / steps / 1e3 for name, (_, ns) in hooks.items()}
+            top = sorted(per.items(), key=lambda kv: -kv[1])[:3]
+            name = "scheduler" if role == STEP_HOOKS[0] else "worker"
+            out.setdefault(mode, {})[name] = {"steps": steps, "us_per_step": sum(per.values()), "top": top}
+    return out
+
+
+def switch_to(mode: str, folder: Path, timeout_s: float = 30.0) -> None:
+    """Flip every switch connector of the idle server to ``mode`` (SIGUSR1 to each process in the other one)."""
+    found = acks(folder)
+    if len(found) != 2:
+        raise RuntimeError(f"expected 2 switch connectors (engine core, worker), found {found}")
+    for pid, now in found.items():
+        if now != mode:
+            os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + timeout_s
+    while any(m != mode for m in acks(folder).values()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"switch connectors did not all reach mode {mode}: {acks(folder)}")
+        time.sleep(0.02)
+
+
+def one_pass(server: serve.Server, argv: list[str], settle_s: float) -> dict[str, float]:
+    time.sleep(settle_s)  # background saves of the previous pass done
+    before = server.itl_histogram()
+    result = serve.run_client(argv)
+    time.sleep(0.2)  # the API server records the last outputs' stats
+    hist = histogram_delta(before, server.itl_histogram())
+    p50, p90 = histogram_quantiles(hist)
+    mean = hist["sum"] / hist["count"] * 1e3 if hist.get("count") else float("nan")
+    figures = (p50, p90, mean, float(result["median_ttft_ms"]), float(result["p90_ttft_ms"]))
+    return dict(zip(FIGURES, figures, strict=True)) | {"completed": float(result["completed"])}
+
+
+def serve_switched(name: str, args: argparse.Namespace, work: Path, redis_url: str) -> dict[str, Any]:
+    """One server of kvdi ``name`` behind the switch; every round's passes in both modes."""
+    store, stats, folder = work / f"store-{name}", work / f"stats-{name}", work / f"switch-{name}"
+    folder.mkdir()
+    kv = serve.kv_for(name, store, redis_url, stats)
+    assert kv is not None
+    os.environ.update(BENCH_SWITCH_DIR=str(folder), BENCH_SWITCH_START="noop")
+    server = serve.Server(args.model, work / f"serve-{name}.log", {**kv, **SWITCH}, 2048, log_stats=True,
+                          reserved_cpus=args.reserved_cpus)  # fmt: skip
+    rounds: list[dict[str, dict[str, dict[str, float]]]] = []
+    try:
+        server.wait_ready()
+        serve.run_client(serve.client_args("random", 4, 8, 10_000, args.model, server.url))  # warm-up
+        for r in range(args.rounds):
+            argv = serve.client_args("prefix_repetition", 4, args.prompts, 1000 + r, args.model, server.url,
+                                     args.output_len)  # fmt: skip
+            modes = MODES if r % 2 == 0 else MODES[::-1]
+            row: dict[str, dict[str, dict[str, float]]] = {}
+            for mode in modes:
+                switch_to(mode, folder)
+                passes = {}
+                for phase in serve.PASSES:
+                    if phase in ("cold", "load") and not server.reset_prefix_cache():
+                        raise RuntimeError("reset_prefix_cache refused")
+                    passes[phase] = one_pass(server, argv, args.settle_s)
+                    fig = passes[phase]
+                    print(f"  {name} r{r} {mode:4s} {phase:4s} " + " ".join(f"{k} {v:.3f}" for k, v in fig.items()),
+                          file=sys.stderr)  # fmt: skip
+                row[mode] = passes
+            rounds.append(row)
+        switch_to("noop", folder)  # the last flip writes both modes' hook times
+        times = hook_times(folder)
+    finally:
+        server.stop()
+    return {"config": name, "rounds": rounds, "hook_times": times}
+
+
+MT_FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "run_s")
+
+
+def serve_multi_turn_switched(name: str, args: argparse.Namespace, work: Path, redis_url: str) -> dict[str, Any]:
+    """vLLM's multi-turn client (:mod:`.bench_serve_multi_turn`: 12 conversations x 10 turns, a cache of 48 blocks)
+    against one server of kvdi ``name`` behind the switch: per round, the same conversations once in each mode
+    (ABBA), vLLM's prefix cache reset before each run."""
+    from benchmarks.vllm import bench_serve_multi_turn as mt
+
+    client = mt.fetch_client(mt.vllm_version())
+    if isinstance(client, str):
+        raise RuntimeError(f"multi-turn: {client}")
+    mt.add_chat_template(args.model)
+    store, stats, folder = work / f"mt-store-{name}", work / f"mt-stats-{name}", work / f"mt-switch-{name}"
+    folder.mkdir()
+    kv = serve.kv_for(name, store, redis_url, stats)
+    assert kv is not None
+    os.environ.update(BENCH_SWITCH_DIR=str(folder), BENCH_SWITCH_START="noop")
+    extra = ("--num-gpu-blocks-override", str(mt.CACHE_BLOCKS))
+    server = serve.Server(args.model, work / f"mt-{name}.log", {**kv, **SWITCH}, 512, extra=extra, log_stats=True,
+                          reserved_cpus=args.reserved_cpus)  # fmt: skip
+    rounds: list[dict[str, dict[str, float]]] = []
+    try:
+        server.wait_ready()
+        for r in range(args.multi_turn):
+            conv = mt.conversations(work / f"mt-conversations-{name}-{r}.json", seed=500 + r)
+            row = {}
+            for mode in MODES if r % 2 == 0 else MODES[::-1]:
+                switch_to(mode, folder)
+                if not server.reset_prefix_cache():
+                    raise RuntimeError("reset_prefix_cache refused")
+                time.sleep(args.settle_s)
+                row[mode] = mt.run_rounds(client, args.model, server.url, [conv], work / f"mt-{name}-{r}-{mode}")
+                fig = row[mode]
+                print(f"  multi-turn {name} r{r} {mode:4s} ttft p50 {fig['ttft_p50_ms']:.1f} p90 "
+                      f"{fig['ttft_p90_ms']:.1f} run {fig['run_s']:.2f} s, {fig['requests']:.0f} answered",
+                      file=sys.stderr)  # fmt: skip
+            rounds.append(row)
+        switch_to("noop", folder)
+    finally:
+        server.stop()
+    return {"config": name, "multi_turn_rounds": rounds}
+
+
+def mt_table(result: dict[str, Any]) -> list[str]:
+    """The multi-turn rounds of one configuration: kvdi / noop per round, geometric mean [90 % t interval], and the
+    issue's bar (the whole run and TTFT p50 and p90 at most 1.0x the do-nothing connector)."""
+    name, rounds = result["config"], result["multi_turn_rounds"]
+    lines = ["", f"multi-turn {name} ({len(rounds)} rounds)" + "".join(f"{f:>24s}" for f in (*MT_FIGURES, "bar"))]
+    noop = [{f: r["noop"][f] for f in MT_FIGURES} for r in rounds]
+    lines.append(f"{'  noop (absolute, median)':28s}" + "".join(f"{median(noop, f):>24.3f}" for f in MT_FIGURES))
+    intervals = [repeat_interval([r["kvdi"][f] / r["noop"][f] for r in rounds]) for f in MT_FIGURES]
+    cells = [interval_cell(x) if x else "-" for x in intervals]
+    cells.append(judge(list(intervals), 1.0))
+    lines.append(f"{'  kvdi ' + name:28s}" + "".join(f"{c:>24s}" for c in cells))
+    return lines
+
+
+def table(doc: dict[str, Any]) -> str:
+    """Per configuration and pass: each figure's kvdi / noop ratio within a round, geometric mean [90 % t interval]
+    over rounds, and the ITL bar's verdict (on the p50 and p90 intervals)."""
+    lines = [
+        f"vllm serve, kvdi behind the switch, one server per configuration; {doc['minutes']} min; ratios kvdi / noop "
+        "within a round (same server, same prompts), geometric mean [90% t interval] over rounds",
+    ]
+    head = f"{'':28s}" + "".join(f"{f:>24s}" for f in (*FIGURES, "ITL bar"))
+    for result in doc["results"]:
+        if "multi_turn_rounds" in result:
+            lines += mt_table(result)
+            continue
+        name, rounds = result["config"], result["rounds"]
+        for phase in serve.PASSES:
+            lines += ["", f"{name} {phase} ({len(rounds)} rounds)" + head[len(name) + len(phase) + 12 :]]
+            noop = [statistics_of(r["noop"][phase]) for r in rounds]
+            lines.append(
+                f"{'  noop (absolute, median)':28s}" + "".join(f"{median(noop, f):>21.3f} ms" for f in FIGURES)
+            )
+            ratios = {f: [r["kvdi"][phase][f] / r["noop"][phase][f] for r in rounds] for f in FIGURES}
+            intervals = {f: repeat_interval(v) for f, v in ratios.items()}
+            cells = [interval_cell(x) if x else f"{ratios[f][0]:.3f}" for f, x in intervals.items()]
+            limit = bar(name, phase)
+            itl = [intervals["server ITL p50"], intervals["server ITL p90"]]
+            cells.append("-" if limit is None else judge(itl, limit))
+            lines.append(f"{'  kvdi ' + name:28s}" + "".join(f"{c:>24s}" for c in cells))
+        lines.append(f"{name}: time inside the switched hooks per engine step, both modes timed alike (µs):")
+        for mode, roles in result.get("hook_times", {}).items():
+            for role, t in roles.items():
+                top = ", ".join(f"{h} {us:.1f}" for h, us in t["top"])
+                lines.append(f"  {mode:4s} {role:9s} {t['us_per_step']:7.1f} over {t['steps']} steps ({top})")
+    return "\n".join(lines)
+
+
+def statistics_of(passes: dict[str, float]) -> dict[str, float]:
+    return {f: passes[f] for f in FIGURES}
+
+
+def median(rows: list[dict[str, float]], figure: str) -> float:
+    values = sorted(r[figure] for r in rows)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="null", help=f"comma-separated subset of {CONFIGS}")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of both modes (even: ABBA balanced)")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--settle-s", type=float, default=1.0)
+    parser.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU (as bench_serve)")
+    parser.add_argument("--pin", action="store_true", help="as bench_serve --pin")
+    parser.add_argument("--multi-turn", type=int, default=0, help="rounds of vLLM's multi-turn client (0: none)")
+    parser.add_argument("--mt-configs", default="shared_storage,cpu_offload", help="configurations it runs")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--work", type=Path, default=None, help="keep stores and server logs here (default: a temp dir)"
+    )
+    args = parser.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in CONFIGS]
+    bad += [c for c in args.mt_configs.split(",") if c and c not in CONFIGS]
+    if bad or args.rounds not in (0, *range(2, 1000)) or args.prompts < 4 or args.multi_turn == 1:
+        print(f"--configs/--mt-configs {bad} / --rounds {args.rounds} / --prompts {args.prompts} / --multi-turn "
+              f"{args.multi_turn}: allowed {CONFIGS}, 0 or >= 2, >= 4, 0 or >= 2")  # fmt: skip
+        return 2
+    patch_version()
+    priority = serve.client_priority()
+    serve.SERVER_PRIORITY[0] = serve.CLIENT_PRIORITY
+    serve.PIN[0] = args.pin
+    print(priority, file=sys.stderr)
+    from kvdi.testing.redis_server import RedisServer
+
+    started = time.time()
+    results = []
+    with contextlib.ExitStack() as stack:
+        work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvdi-bench-switch-")))
+        work.mkdir(parents=True, exist_ok=True)
+        cache = serve.ROOT / ".bench" / "serve"
+        cache.mkdir(parents=True, exist_ok=True)
+        args.model = model_with_tokenizer(make_tiny_llama(cache / "llama"), cache / "model")
+        redis = RedisServer().start()
+        try:
+            for name in configs if args.rounds else ():
+                results.append(serve_switched(name, args, work, redis.url))
+            for name in [c for c in args.mt_configs.split(",") if c] if args.multi_turn else ():
+                results.append(serve_multi_turn_switched(name, args, work, redis.url))
+        finally:
+            redis.stop()
+    doc = {
+        "benchmark": "bench_serve_switch",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "minutes": round((time.time() - started) / 60, 1),
+        "cpus": os.cpu_count(),
+        "priority": priority,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "results": results,
+    }
+    text = table(doc)
+    print(text, file=sys.stderr)
+    if args.out is not None:
+        args.out.write_text(json.dumps(doc, indent=1))
+    print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

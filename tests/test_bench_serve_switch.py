@@ -1,0 +1,62 @@
+"""The in-server A/B benchmark's figures (vLLM-free): hook times per step from the switch connectors' reports,
+ratios within a round, and the bars' verdicts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.vllm.bench_serve_switch import FIGURES, MT_FIGURES, hook_times, table
+
+
+def _report(folder: Path, pid: int, mode: str, times: dict[str, dict[str, list[int]]]) -> None:
+    (folder / str(pid)).write_text(json.dumps({"pid": pid, "mode": mode, "times": times}))
+
+
+def test_hook_times_are_per_engine_step_of_each_role_and_mode(tmp_path: Path) -> None:
+    scheduler = {"noop": {"build_connector_meta": [100, 50_000]}, "kvdi": {"build_connector_meta": [200, 400_000],
+                 "get_kv_connector_stats": [200, 600_000], "request_finished": [10, 1_000_000]}}  # fmt: skip
+    worker = {"noop": {"bind_connector_metadata": [100, 100_000]}, "kvdi": {"bind_connector_metadata": [200, 200_000]}}
+    _report(tmp_path, 11, "noop", scheduler)
+    _report(tmp_path, 12, "noop", worker)
+    got = hook_times(tmp_path)
+    assert got["noop"]["scheduler"]["us_per_step"] == pytest.approx(0.5)
+    assert got["kvdi"]["scheduler"]["steps"] == 200
+    assert got["kvdi"]["scheduler"]["us_per_step"] == pytest.approx(2 + 3 + 5)  # µs a step, per-request hooks too
+    assert got["kvdi"]["scheduler"]["top"][0] == ("request_finished", pytest.approx(5.0))
+    assert got["kvdi"]["worker"]["us_per_step"] == pytest.approx(1.0)
+
+
+def _passes(scale: float) -> dict[str, dict[str, float]]:
+    return {phase: {f: 2.0 * scale for f in FIGURES} | {"completed": 32.0} for phase in ("cold", "hit", "load")}
+
+
+def _doc(ratios: list[float], config: str = "null") -> dict[str, Any]:
+    rounds = [{"noop": _passes(1.0), "kvdi": _passes(r)} for r in ratios]
+    return {"minutes": 1.0, "results": [{"config": config, "rounds": rounds, "hook_times": {}}]}
+
+
+@pytest.mark.parametrize(
+    ("ratios", "verdict"),
+    [([1.0, 1.01, 0.99, 1.0], "pass"), ([1.2, 1.21, 1.19, 1.2], "FAIL"), ([0.9, 1.2, 0.95, 1.15], "undecided")],
+)
+def test_each_pass_is_judged_on_its_within_round_ratios(ratios: list[float], verdict: str) -> None:
+    lines = table(_doc(ratios)).splitlines()
+    judged = [line for line in lines if line.startswith("  kvdi null")]
+    assert len(judged) == 3  # cold, hit, load
+    assert all(line.rstrip().endswith(f"{verdict} (<= 1.03)") for line in judged)
+
+
+def test_a_store_is_judged_on_hit_and_load_only_and_multi_turn_against_one() -> None:
+    doc = _doc([1.04, 1.04, 1.04], "shared_storage")
+    mt = [{m: {f: v for f in MT_FIGURES} | {"requests": 120.0} for m, v in (("noop", 4.0), ("kvdi", 3.6))}] * 3
+    doc["results"].append({"config": "cpu_offload", "multi_turn_rounds": mt})
+    lines = table(doc).splitlines()
+    store = [line.rstrip() for line in lines if line.startswith("  kvdi shared_storage")]
+    assert [line.split()[-1] for line in store] == ["-", "1.05)", "1.15)"]  # cold: no bar; hit, load: pass
+    assert all("pass" in line for line in store[1:])
+    (multi,) = [line for line in lines if line.startswith("  kvdi cpu_offload")]
+    assert "0.900 [0.900-0.900]" in multi and multi.rstrip().endswith("pass (<= 1.0)")
