@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -376,8 +376,17 @@ def main(argv: list[str] | None = None) -> int:
                 results.extend(run_multi_turn(configs, args, work, Server))
         finally:
             redis.stop()
+    return publish("bench_serve", started, priority, args, results, table)
+
+
+def publish(
+    benchmark: str, started: float, priority: str, args: argparse.Namespace, results: list[dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+) -> int:  # fmt: skip
+    """A run's document (its settings and every result): its tables (``render``) on stderr, the JSON on stdout, and
+    with ``--out`` both written (``.txt`` beside the JSON); 0."""
     doc = {
-        "benchmark": "bench_serve",
+        "benchmark": benchmark,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "minutes": round((time.time() - started) / 60, 1),
         "cpus": os.cpu_count(),
@@ -385,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: str(v) for k, v in vars(args).items()},
         "results": results,
     }
-    text = table(doc)
+    text = render(doc)
     print(text, file=sys.stderr)
     if args.out is not None:
         args.out.write_text(json.dumps(doc, indent=1))

@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     patch_version()
     priority = serve.client_priority()
-    serve.SERVER_PRIORITY[0] = serve.CLIENT_PRIORITY
+    serve.SERVER_PRIORITY[0] = serve.CLIENT_PRIORITY  # as bench_serve's default --server-priority
+    priority = priority.replace(f"servers at {serve.BASE_PRIORITY}", f"servers at {serve.CLIENT_PRIORITY}")
     serve.PIN[0] = args.pin
     print(priority, file=sys.stderr)
     from kvdi.testing.redis_server import RedisServer
@@ -287,21 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(serve_multi_turn_switched(name, args, work, redis.url))
         finally:
             redis.stop()
-    doc = {
-        "benchmark": "bench_serve_switch",
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "minutes": round((time.time() - started) / 60, 1),
-        "cpus": os.cpu_count(),
-        "priority": priority,
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "results": results,
-    }
-    text = table(doc)
-    print(text, file=sys.stderr)
-    if args.out is not None:
-        args.out.write_text(json.dumps(doc, indent=1))
-    print(json.dumps(doc))
-    return 0
+    return serve.publish("bench_serve_switch", started, priority, args, results, table)
 
 
 if __name__ == "__main__":
