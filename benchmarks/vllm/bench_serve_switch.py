@@ -75,8 +75,11 @@ def hook_times(folder: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def switch_to(mode: str, folder: Path, timeout_s: float = 30.0) -> None:
-    """Flip every switch connector of the idle server to ``mode`` (SIGUSR1 to each process in the other one)."""
+def switch_to(mode: str, folder: Path, timeout_s: float = 30.0, settle_s: float = 0.0) -> None:
+    """Flip every switch connector of the idle server to ``mode`` (SIGUSR1 to each process in the other one), after
+    ``settle_s``: the last requests' queued saves finish, and their held blocks are freed, in the mode that began
+    them."""
+    time.sleep(settle_s)
     found = acks(folder)
     if len(found) != 2:
         raise RuntimeError(f"expected 2 switch connectors (engine core, worker), found {found}")
@@ -121,7 +124,7 @@ def serve_switched(name: str, args: argparse.Namespace, work: Path, redis_url: s
             modes = MODES if r % 2 == 0 else MODES[::-1]
             row: dict[str, dict[str, dict[str, float]]] = {}
             for mode in modes:
-                switch_to(mode, folder)
+                switch_to(mode, folder, settle_s=args.settle_s)
                 passes = {}
                 for phase in serve.PASSES:
                     if phase in ("cold", "load") and not server.reset_prefix_cache():
@@ -167,7 +170,7 @@ def serve_multi_turn_switched(name: str, args: argparse.Namespace, work: Path, r
             conv = mt.conversations(work / f"mt-conversations-{name}-{r}.json", seed=500 + r)
             row = {}
             for mode in MODES if r % 2 == 0 else MODES[::-1]:
-                switch_to(mode, folder)
+                switch_to(mode, folder, settle_s=args.settle_s)
                 if not server.reset_prefix_cache():
                     raise RuntimeError("reset_prefix_cache refused")
                 time.sleep(args.settle_s)
