@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -191,8 +192,8 @@ def mt_table(result: dict[str, Any]) -> list[str]:
     issue's bar (the whole run and TTFT p50 and p90 at most 1.0x the do-nothing connector)."""
     name, rounds = result["config"], result["multi_turn_rounds"]
     lines = ["", f"multi-turn {name} ({len(rounds)} rounds)" + "".join(f"{f:>24s}" for f in (*MT_FIGURES, "bar"))]
-    noop = [{f: r["noop"][f] for f in MT_FIGURES} for r in rounds]
-    lines.append(f"{'  noop (absolute, median)':28s}" + "".join(f"{median(noop, f):>24.3f}" for f in MT_FIGURES))
+    noop = "".join(f"{statistics.median(r['noop'][f] for r in rounds):>24.3f}" for f in MT_FIGURES)
+    lines.append(f"{'  noop (absolute, median)':28s}" + noop)
     intervals = [repeat_interval([r["kvdi"][f] / r["noop"][f] for r in rounds]) for f in MT_FIGURES]
     cells = [interval_cell(x) if x else "-" for x in intervals]
     cells.append(judge(list(intervals), 1.0))
@@ -215,10 +216,8 @@ def table(doc: dict[str, Any]) -> str:
         name, rounds = result["config"], result["rounds"]
         for phase in serve.PASSES:
             lines += ["", f"{name} {phase} ({len(rounds)} rounds)" + head[len(name) + len(phase) + 12 :]]
-            noop = [statistics_of(r["noop"][phase]) for r in rounds]
-            lines.append(
-                f"{'  noop (absolute, median)':28s}" + "".join(f"{median(noop, f):>21.3f} ms" for f in FIGURES)
-            )
+            noop = "".join(f"{statistics.median(r['noop'][phase][f] for r in rounds):>21.3f} ms" for f in FIGURES)
+            lines.append(f"{'  noop (absolute, median)':28s}" + noop)
             ratios = {f: [r["kvdi"][phase][f] / r["noop"][phase][f] for r in rounds] for f in FIGURES}
             intervals = {f: repeat_interval(v) for f, v in ratios.items()}
             cells = [interval_cell(x) if x else f"{ratios[f][0]:.3f}" for f, x in intervals.items()]
@@ -232,16 +231,6 @@ def table(doc: dict[str, Any]) -> str:
                 top = ", ".join(f"{h} {us:.1f}" for h, us in t["top"])
                 lines.append(f"  {mode:4s} {role:9s} {t['us_per_step']:7.1f} over {t['steps']} steps ({top})")
     return "\n".join(lines)
-
-
-def statistics_of(passes: dict[str, float]) -> dict[str, float]:
-    return {f: passes[f] for f in FIGURES}
-
-
-def median(rows: list[dict[str, float]], figure: str) -> float:
-    values = sorted(r[figure] for r in rows)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def main(argv: list[str] | None = None) -> int:

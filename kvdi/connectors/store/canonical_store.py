@@ -208,10 +208,10 @@ class CanonicalBlockStore:
     def _layers_of(self, pieces: Sequence[Buffer]) -> list[Buffer]:
         """A frame's payload pieces (after its header) as one buffer per layer (joined when not per layer)."""
         payload = pieces[1:]
-        if len(payload) == self._layers and all(memoryview(p).nbytes == self._layer_bytes for p in payload):
-            return list(payload)
-        row = payload[0] if len(payload) == 1 else None  # a staged row: viewed, not copied
-        flat = row.cast("B") if isinstance(row, memoryview) and row.c_contiguous else memoryview(b"".join(payload))
+        layers = self._split([memoryview(p) for p in payload])  # per layer already, or a staged row: no copy
+        if layers is not None:
+            return list(layers)
+        flat = memoryview(b"".join(payload))
         if flat.nbytes != self._block_bytes:
             raise ValueError(f"a frame of {flat.nbytes} B of payload, this layout's block has {self._block_bytes} B")
         lb = self._layer_bytes
@@ -270,12 +270,12 @@ class CanonicalBlockStore:
 
     def _place(self, items: Sequence[tuple[bytes, Sequence[memoryview]]], direct: bool) -> list[int | None]:
         rank, size = self.rank, self._block_bytes
-        layered = [self._split(p) for _, p in items]  # a staged row (one piece) as its layers, no copy
-        direct = direct and rank.read_runs is not None and all(p is not None for p in layered)
-        if direct:
-            loaded = rank.load_direct([(key, p or ()) for (key, _), p in zip(items, layered, strict=True)])
-            rank.loaded_blocks += sum(loaded)
-            return [size if ok else None for ok in loaded]
+        if direct and rank.read_runs is not None:
+            layered = [self._split(p) for _, p in items]  # a staged row (one piece) as its layers, no copy
+            if all(p is not None for p in layered):
+                loaded = rank.load_direct([(key, p or ()) for (key, _), p in zip(items, layered, strict=True)])
+                rank.loaded_blocks += sum(loaded)
+                return [size if ok else None for ok in loaded]
         out: list[int | None] = []
         step = max(1, HOT_BYTES // size)  # read, verify and convert a few blocks at a time, while in the CPU cache
         for at in range(0, len(items), step):
