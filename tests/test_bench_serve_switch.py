@@ -4,12 +4,23 @@ ratios within a round, and the bars' verdicts."""
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from benchmarks.vllm.bench_serve_switch import FIGURES, MT_FIGURES, hook_times, table
+from benchmarks.vllm.bench_serve_switch import (
+    FIGURES,
+    MT_FIGURES,
+    hook_times,
+    kvdi_counters,
+    stalled,
+    table,
+    thread_cpu_ms,
+)
 
 
 def _report(folder: Path, pid: int, mode: str, times: dict[str, dict[str, list[int]]]) -> None:
@@ -60,3 +71,54 @@ def test_a_store_is_judged_on_hit_and_load_only_and_multi_turn_against_one() -> 
     assert all("pass" in line for line in store[1:])
     (multi,) = [line for line in lines if line.startswith("  kvdi cpu_offload")]
     assert "0.900 [0.900-0.900]" in multi and multi.rstrip().endswith("pass (<= 1.0)")
+
+
+def test_kvdi_counters_are_summed_over_label_sets_and_only_counters_kept() -> None:
+    page = "\n".join([
+        "# HELP vllm:kvdi_saved_blocks_total blocks written",
+        'vllm:kvdi_saved_blocks_total{engine="0",role="worker"} 3.0',
+        'vllm:kvdi_saved_blocks_total{engine="0",role="scheduler"} 4.0',
+        'vllm:kvdi_lookups_total{engine="0"} 32.0',
+        'vllm:kvdi_in_flight_bytes{engine="0"} 1024.0',
+        'vllm:kvdi_save_seconds_count{engine="0"} 9.0',
+        'vllm:prompt_tokens_total{engine="0"} 800.0',
+    ])  # fmt: skip
+    assert kvdi_counters(page) == {"saved_blocks": 7.0, "lookups": 32.0}
+
+
+def test_thread_cpu_splits_the_main_thread_from_the_others() -> None:
+    burnt, done = threading.Event(), threading.Event()
+
+    def burn() -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < 0.15:
+            pass
+        burnt.set()
+        done.wait(10)  # alive while it is read: a thread that exited leaves /proc/<pid>/task
+
+    main_before, other_before = thread_cpu_ms(os.getpid())
+    worker = threading.Thread(target=burn)
+    worker.start()
+    try:
+        assert burnt.wait(10)
+        main_after, other_after = thread_cpu_ms(os.getpid())
+    finally:
+        done.set()
+        worker.join()
+    assert other_after - other_before >= 100  # the thread's 150 ms, at the clock tick's resolution
+    assert main_after - main_before < other_after - other_before
+    assert thread_cpu_ms(2**22 + 1) == (0.0, 0.0)  # no such process: nothing to say
+
+
+def test_a_pass_is_stalled_when_its_client_got_whole_responses_and_the_table_counts_reruns() -> None:
+    assert stalled({"client ITL p50": 0.003})
+    assert not stalled({"client ITL p50": 2.1})
+    doc = _doc([1.0, 1.0])
+    rounds = doc["results"][0]["rounds"]
+    rounds[0]["kvdi"]["hit"] |= {"stalls": 2.0, "stalled": 0.0, "cpu worker main": 2500.0, "kvdi lookups": 32.0}
+    rounds[1]["noop"]["hit"] |= {"stalls": 4.0, "stalled": 1.0}
+    lines = table(doc).splitlines()
+    hit = lines[lines.index(next(line for line in lines if line.startswith("null hit"))) :]
+    assert "passes run again, stalled (client saw whole responses at once): noop 4, kvdi 2; kept stalled: noop 1, " \
+           "kvdi 0" in hit[4]  # fmt: skip
+    assert hit[3].startswith("    kvdi per pass (median): worker main 1250, kvdi lookups 16")  # median of 2500, 0

@@ -185,10 +185,14 @@ class Server:
             time.sleep(0.2)
         return False
 
+    def metrics_text(self) -> str:
+        """The server's ``/metrics`` page now."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as reply:
+            return str(reply.read().decode())
+
     def itl_histogram(self) -> dict[str, float]:
         """vLLM's inter-token histogram now (:func:`.bench_serve_stats.itl_histogram`; empty with log stats off)."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as reply:
-            return itl_histogram(reply.read().decode())
+        return itl_histogram(self.metrics_text())
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-chars:]

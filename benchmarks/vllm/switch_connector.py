@@ -9,7 +9,7 @@ flag. ``SIGUSR1`` flips the flag in the process that gets it; the benchmark (:mo
 the engine core and the worker only while the server is idle (no request in flight), so a request starts and
 ends in one mode. Both modes pay the same check, so the difference between them is what kvdi's hooks cost.
 
-Every instance writes its pid, mode and hook times (:data:`TIMES`: per mode and hook, calls and nanoseconds
+Every instance writes its pid, role, mode and hook times (:data:`TIMES`: per mode and hook, calls and nanoseconds
 inside, timed alike in both modes) as JSON to ``$BENCH_SWITCH_DIR/<pid>`` when it starts and after each flip: the
 benchmark signals exactly those processes, waits for their acknowledgements and reads what kvdi's hooks took.
 ``BENCH_SWITCH_START`` (``noop`` or ``kvdi``) is the first mode. A benchmark's test double, never used by kvdi itself.
@@ -43,6 +43,9 @@ SWITCHED = (
 class-level hooks and properties stay kvdi's in both modes."""
 
 
+ROLE = [""]
+"""This process's connector role (``scheduler`` or ``worker``), in its reports."""
+
 TIMES: dict[str, dict[str, list[int]]] = {mode: {} for mode in MODES}
 """Per mode, per hook: [calls, nanoseconds inside the hook] in this process (both modes time alike)."""
 
@@ -51,7 +54,7 @@ def _acknowledge() -> None:
     folder = os.environ.get("BENCH_SWITCH_DIR")
     if folder:  # written whole, then renamed: the benchmark never reads half a line
         tmp = Path(folder, f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "mode": MODES[KVDI[0]], "times": TIMES}))
+        tmp.write_text(json.dumps({"pid": os.getpid(), "role": ROLE[0], "mode": MODES[KVDI[0]], "times": TIMES}))
         os.replace(tmp, Path(folder, str(os.getpid())))
 
 
@@ -88,6 +91,7 @@ class SwitchConnector(KvdiConnector):  # type: ignore[misc,unused-ignore]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        ROLE[0] = "scheduler" if self.role.name == "SCHEDULER" else "worker"
         signal.signal(signal.SIGUSR1, _flip)  # vLLM builds connectors on each process's main thread
         _acknowledge()
 
