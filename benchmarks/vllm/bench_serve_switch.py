@@ -109,9 +109,10 @@ def kvdi_counters(metrics_text: str) -> dict[str, float]:
     for line in metrics_text.splitlines():
         if line.startswith("vllm:kvdi_"):
             name, _, value = line.rpartition(" ")
-            short = name.split("{")[0][len("vllm:kvdi_") :]
-            if short.endswith("_total"):
-                out[short[: -len("_total")]] = out.get(short[: -len("_total")], 0.0) + float(value)
+            family = name.split("{")[0][len("vllm:kvdi_") :]
+            if family.endswith("_total"):
+                short = family.removesuffix("_total")
+                out[short] = out.get(short, 0.0) + float(value)
     return out
 
 
@@ -137,13 +138,13 @@ def process_cpu(folder: Path) -> dict[str, tuple[float, float]]:
     return {report.get("role") or str(pid): thread_cpu_ms(pid) for pid, report in reports(folder).items()}
 
 
-def one_pass(server: serve.Server, argv: list[str], settle_s: float, folder: Path | None = None) -> dict[str, float]:
+def one_pass(server: serve.Server, argv: list[str], settle_s: float, folder: Path) -> dict[str, float]:
     """One client pass: the server's ITL quantiles and mean and the client's TTFT (ms), plus what kvdi counted
     (``kvdi <counter>``) and the CPU ms its processes spent (``cpu <role> main|threads``) during the pass."""
     time.sleep(settle_s)  # background saves of the previous pass done
     text = server.metrics_text()
     before, counted = itl_histogram(text), kvdi_counters(text)
-    cpu = process_cpu(folder) if folder is not None else {}
+    cpu = process_cpu(folder)
     result = serve.run_client(argv)
     time.sleep(0.2)  # the API server records the last outputs' stats
     text = server.metrics_text()
@@ -155,7 +156,7 @@ def one_pass(server: serve.Server, argv: list[str], settle_s: float, folder: Pat
     out["client ITL p50"] = float(result["median_itl_ms"])
     moved = histogram_delta(counted, kvdi_counters(text))
     out |= {f"kvdi {k}": v for k, v in sorted(moved.items()) if v}
-    for role, (main, threads) in (process_cpu(folder) if folder is not None else {}).items():
+    for role, (main, threads) in process_cpu(folder).items():
         was = cpu.get(role, (main, threads))
         out |= {f"cpu {role} main": main - was[0], f"cpu {role} threads": threads - was[1]}
     return out
