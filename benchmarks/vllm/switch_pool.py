@@ -1,0 +1,140 @@
+"""Pool the rounds of several ``bench_serve_switch`` runs of the same code: more rounds, narrower intervals.
+
+Usage (any venv with numpy, from the repository root)::
+
+    python -m benchmarks.vllm.switch_pool benchmarks/results/bench_serve_switch-null-*.txt [...]
+
+A round of :mod:`.bench_serve_switch` stands alone: both modes ran on one server, on the same prompts, seconds
+apart, so its kvdi / noop ratio is one sample of kvdi's cost whatever the machine did before or after. Rounds of
+runs that measured the same code can therefore be pooled. A run is taken only when:
+
+- it is a results file of the benchmark (``benchmarks/results/*.txt``: a first line naming the commit, ``main at
+  <sha>``, and the run's JSON), and the commits of all the runs have the same ``kvdi/`` and the same switch
+  connector (``git diff``: anything else, the benchmark's reporting included, may differ);
+- its passes carry the stall rule's counts (round six on): earlier runs kept vLLM's stalled passes, which move a
+  round's ratio by as much as the bars.
+
+Per configuration and pass: each run's geometric mean and rounds, then the pooled geometric mean [90 % t interval]
+over every round and the ITL bar's verdict (:func:`.bench_serve_pooled.judge`); the multi-turn rounds alike against
+1.0x. A file that cannot be pooled is one line on stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.vllm.bench_serve_pooled import bar, interval_cell, judge
+from benchmarks.vllm.bench_serve_stats import repeat_interval
+
+PASSES = ("cold", "hit", "load")
+ITL = ("server ITL p50", "server ITL p90")
+MT_FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "run_s")
+CODE = ("kvdi", "benchmarks/vllm/switch_connector.py")
+"""What a pooled run must share: kvdi itself and the connector that switches it."""
+_COMMIT = re.compile(r"\bmain at ([0-9a-f]{7,40})\b")
+
+
+class PoolError(ValueError):
+    """A run that cannot be pooled (the message names the file and why)."""
+
+
+def load_run(path: Path) -> tuple[str, dict[str, Any]]:
+    """The commit a results file names on its first line and its run document."""
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PoolError(f"{path}: cannot be read ({exc})") from None
+    found = _COMMIT.search(lines[0]) if lines else None
+    if found is None:
+        raise PoolError(f"{path}: its first line names no 'main at <sha>': cannot tell which code it measured")
+    doc = next((json.loads(x) for x in lines if x.startswith('{"benchmark": "bench_serve_switch"')), None)
+    if doc is None:
+        raise PoolError(f"{path}: holds no bench_serve_switch run document")
+    for result in doc["results"]:
+        for r in result.get("rounds", []):
+            if any("stalls" not in r[mode][phase] for mode in r for phase in r[mode]):
+                raise PoolError(f"{path}: its passes carry no stall counts (a run before the stall rule)")
+    return found.group(1), doc
+
+
+def check_same_code(commits: Sequence[str], repo: Path) -> None:
+    """PoolError unless every commit has the first one's :data:`CODE` (or git cannot compare them)."""
+    for commit in dict.fromkeys(commits[1:]):
+        cmd = ["git", "-C", str(repo), "diff", "--quiet", commits[0], commit, "--", *CODE]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode == 1:
+            raise PoolError(f"commits {commits[0]} and {commit} differ in {' or '.join(CODE)}: not the same code")
+        if done.returncode != 0:
+            raise PoolError(f"git cannot compare {commits[0]} and {commit} in {repo}: {done.stderr.strip()[:200]}")
+
+
+def pooled(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """The table: per configuration and pass (then multi-turn), each run's ratios and the pooled interval."""
+    single: dict[tuple[str, str], list[tuple[str, list[dict[str, Any]]]]] = {}
+    multi: dict[str, list[tuple[str, list[dict[str, Any]]]]] = {}
+    for name, doc in runs:
+        for result in doc["results"]:
+            if "multi_turn_rounds" in result:
+                multi.setdefault(result["config"], []).append((name, result["multi_turn_rounds"]))
+            else:
+                for phase in PASSES:
+                    single.setdefault((result["config"], phase), []).append((name, result["rounds"]))
+    lines = ["bench_serve_switch rounds pooled over runs of the same code; kvdi / noop within a round, geometric "
+             "mean [90% t interval]"]  # fmt: skip
+    for (config, phase), parts in single.items():
+        per_run = [(name, [{f: r["kvdi"][phase][f] / r["noop"][phase][f] for f in ITL} for r in rounds])
+                   for name, rounds in parts]  # fmt: skip
+        lines += _rows(f"{config} {phase}", ITL, per_run, bar(config, phase))
+    for config, parts in multi.items():
+        per_run = [(name, [{f: r["kvdi"][f] / r["noop"][f] for f in MT_FIGURES} for r in rounds])
+                   for name, rounds in parts]  # fmt: skip
+        lines += _rows(f"multi-turn {config}", MT_FIGURES, per_run, 1.0)
+    return "\n".join(lines)
+
+
+def _rows(title: str, figures: Sequence[str], per_run: list[tuple[str, list[dict[str, float]]]],
+          limit: float | None) -> list[str]:  # fmt: skip
+    """A heading, one row per run and the pooled row with its verdict against ``limit``."""
+    every = {f: [ratios[f] for _, rounds in per_run for ratios in rounds] for f in figures}
+    lines = ["", f"{title:52s}" + "".join(f"{f:>26s}" for f in figures)]
+    for name, rounds in per_run:
+        lines.append(_row(name, {f: [ratios[f] for ratios in rounds] for f in figures}))
+    verdict = "" if limit is None else "  " + judge([repeat_interval(v) for v in every.values()], limit)
+    lines.append(_row("pooled", every) + verdict)
+    return lines
+
+
+def _row(label: str, ratios: dict[str, list[float]]) -> str:
+    count = len(next(iter(ratios.values())))
+    cells = []
+    for values in ratios.values():
+        interval = repeat_interval(values)
+        cells.append(interval_cell(interval) if interval else f"{values[0]:.3f}")
+    return f"  {label[:40]:40s} {count:3d} rounds" + "".join(f"{c:>26s}" for c in cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", type=Path, nargs="+", help="bench_serve_switch results files (.txt)")
+    parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[2], help="git repository")
+    args = parser.parse_args(argv)
+    try:
+        loaded = [load_run(path) for path in args.runs]
+        check_same_code([commit for commit, _ in loaded], args.repo)
+    except PoolError as exc:
+        print(f"switch_pool: {exc}", file=sys.stderr)
+        return 2
+    names = [path.stem.removeprefix("bench_serve_switch-") for path in args.runs]
+    print(pooled([(name, doc) for name, (_, doc) in zip(names, loaded, strict=True)]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

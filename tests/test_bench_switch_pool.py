@@ -1,0 +1,102 @@
+"""Pooling bench_serve_switch runs (vLLM-free): only results files of the same kvdi code and of the stall rule, and
+the pooled interval over every round of every run."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.vllm.switch_pool import PoolError, check_same_code, load_run, main, pooled
+
+
+def _pass(itl: float, stalls: bool = True) -> dict[str, float]:
+    figures = {"server ITL p50": itl, "server ITL p90": 2 * itl}
+    return {**figures, "stalls": 0.0, "stalled": 0.0} if stalls else figures
+
+
+def _run(config: str, kvdi_itl: list[float], stalls: bool = True) -> dict[str, Any]:
+    """A run of ``config`` whose noop passes take 2.0 ms and kvdi's ``kvdi_itl`` (one round each)."""
+    rounds = [{m: {p: _pass(itl if m == "kvdi" else 2.0, stalls) for p in ("cold", "hit", "load")}
+               for m in ("noop", "kvdi")} for itl in kvdi_itl]  # fmt: skip
+    return {"benchmark": "bench_serve_switch", "results": [{"config": config, "rounds": rounds}]}
+
+
+def _write(path: Path, first_line: str, doc: dict[str, Any] | None) -> Path:
+    lines = [first_line, "# PYTHONPATH=$PWD python -m benchmarks.vllm.bench_serve_switch ..."]
+    path.write_text("\n".join([*lines, json.dumps(doc)] if doc else lines) + "\n# rc=0\n")
+    return path
+
+
+def test_a_run_is_taken_only_with_its_commit_its_document_and_the_stall_rule(tmp_path: Path) -> None:
+    good = _write(tmp_path / "a.txt", "# a: main at 1234abc, 07:17 UTC", _run("null", [2.0, 2.1]))
+    commit, doc = load_run(good)
+    assert commit == "1234abc" and doc["results"][0]["config"] == "null"
+    cases = {
+        "no commit": (_write(tmp_path / "b.txt", "# b: 07:17 UTC", _run("null", [2.0, 2.1])), "names no 'main at"),
+        "no document": (_write(tmp_path / "c.txt", "# c: main at 1234abc", None), "no bench_serve_switch run"),
+        "before the stall rule": (
+            _write(tmp_path / "d.txt", "# d: main at 1234abc", _run("null", [2.0], stalls=False)),
+            "no stall counts",
+        ),
+        "missing": (tmp_path / "e.txt", "cannot be read"),
+    }
+    for case, (path, why) in cases.items():
+        with pytest.raises(PoolError, match=why):
+            load_run(path)
+        print(case, "refused")
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_runs_pool_only_when_their_commits_share_kvdi_and_the_switch_connector(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "kvdi").mkdir(parents=True)
+    (repo / "docs").mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@example.invalid")
+    _git(repo, "config", "user.name", "t")
+    commits = []
+    for path, text in (("kvdi/a.py", "x = 1\n"), ("docs/b.md", "figures\n"), ("kvdi/a.py", "x = 2\n")):
+        (repo / path).write_text(text)
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", path)
+        commits.append(_git(repo, "rev-parse", "--short", "HEAD"))
+    first, docs_only, kvdi_changed = commits
+    check_same_code([first, docs_only, first], repo)  # a docs commit measured the same code
+    with pytest.raises(PoolError, match=f"{first} and {kvdi_changed} differ in kvdi"):
+        check_same_code([first, docs_only, kvdi_changed], repo)
+    with pytest.raises(PoolError, match="git cannot compare"):
+        check_same_code([first, "0000000"], repo)
+
+
+def test_the_pooled_interval_covers_every_round_of_every_run_and_judges_the_bar() -> None:
+    quiet = _run("null", [2.0, 2.02, 1.98, 2.0])  # ratios 1.0, 1.01, 0.99, 1.0
+    noisy = _run("null", [2.2, 1.8])  # ratios 1.1, 0.9
+    table = pooled([("quiet", quiet), ("noisy", noisy)])
+    rows = {line.split()[0]: line for line in table.splitlines() if "rounds" in line and line.startswith("  ")}
+    assert "4 rounds" in rows["quiet"] and "2 rounds" in rows["noisy"] and "6 rounds" in rows["pooled"]
+    hit = table.split("null hit")[1].split("null load")[0]
+    pooled_row = next(line for line in hit.splitlines() if line.strip().startswith("pooled"))
+    centre = math.exp(sum(math.log(x) for x in (1.0, 1.01, 0.99, 1.0, 1.1, 0.9)) / 6)
+    assert f"{centre:.3f} [" in pooled_row
+    assert "undecided (<= 1.03)" in pooled_row  # the noisy run's rounds widen the interval past the bar
+    quiet_only = pooled([("quiet", quiet), ("again", _run("null", [2.0, 2.01, 1.99, 2.0]))])
+    assert "pass (<= 1.03)" in quiet_only.split("null hit")[1].split("null load")[0]
+    mt = {"benchmark": "bench_serve_switch", "results": [{"config": "cpu_offload", "multi_turn_rounds": [
+        {m: {"ttft_p50_ms": 50.0 * k, "ttft_p90_ms": 90.0 * k, "run_s": 8.0 * k} for m, k in (("noop", 1), ("kvdi", 2))}
+        for _ in range(3)]}]}  # fmt: skip
+    assert "FAIL (<= 1.0)" in pooled([("mt", mt)]).split("multi-turn cpu_offload")[1]
+
+
+def test_a_run_that_cannot_be_pooled_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old = _write(tmp_path / "old.txt", "# old: main at 1234abc", _run("null", [2.0, 2.1], stalls=False))
+    assert main([str(old)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "old.txt: its passes carry no stall counts" in err and "Traceback" not in err
