@@ -100,3 +100,8 @@ def test_a_run_that_cannot_be_pooled_is_one_line_and_exit_2(tmp_path: Path, caps
     assert main([str(old)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "old.txt: its passes carry no stall counts" in err and "Traceback" not in err
+    run = {**_run("null", [2.0, 2.1]), "started": "2026-12-06T07:17:30Z"}
+    one = _write(tmp_path / "one.txt", "# one: main at 1234abc", run)
+    copy = _write(tmp_path / "copy.txt", "# copy: main at 1234abc", run)
+    assert main([str(one), str(copy)]) == 2
+    assert "hold the same run (started 2026-12-06T07:17:30Z)" in capsys.readouterr().err

@@ -10,7 +10,8 @@ runs that measured the same code can therefore be pooled. A run is taken only wh
 
 - it is a results file of the benchmark (``benchmarks/results/*.txt``: a first line naming the commit, ``main at
   <sha>``, and the run's JSON), and the commits of all the runs have the same ``kvdi/`` and the same switch
-  connector (``git diff``: anything else, the benchmark's reporting included, may differ);
+  connector (``git diff``: anything else, the benchmark's reporting included, may differ), and no other file holds
+  the same run (its start time);
 - its passes carry the stall rule's counts (round six on): earlier runs kept vLLM's stalled passes, which move a
   round's ratio by as much as the bars.
 
@@ -62,6 +63,16 @@ def load_run(path: Path) -> tuple[str, dict[str, Any]]:
             if any("stalls" not in r[mode][phase] for mode in r for phase in r[mode]):
                 raise PoolError(f"{path}: its passes carry no stall counts (a run before the stall rule)")
     return found.group(1), doc
+
+
+def check_distinct(paths: Sequence[Path], docs: Sequence[dict[str, Any]]) -> None:
+    """PoolError when two files hold the same run (its rounds would count twice)."""
+    seen: dict[str, Path] = {}
+    for path, doc in zip(paths, docs, strict=True):
+        started = str(doc.get("started"))
+        if started in seen:
+            raise PoolError(f"{path} and {seen[started]} hold the same run (started {started}): pool it once")
+        seen[started] = path
 
 
 def check_same_code(commits: Sequence[str], repo: Path) -> None:
@@ -127,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         loaded = [load_run(path) for path in args.runs]
+        check_distinct(args.runs, [doc for _, doc in loaded])
         check_same_code([commit for commit, _ in loaded], args.repo)
     except PoolError as exc:
         print(f"switch_pool: {exc}", file=sys.stderr)
