@@ -15,7 +15,7 @@ from benchmarks.vllm.switch_pool import PoolError, check_same_code, load_run, ma
 
 
 def _pass(itl: float, stalls: bool = True) -> dict[str, float]:
-    figures = {"server ITL p50": itl, "server ITL p90": 2 * itl}
+    figures = {"server ITL p50": itl, "server ITL p90": 2 * itl, "server ITL mean": 1.1 * itl}
     return {**figures, "stalls": 0.0, "stalled": 0.0} if stalls else figures
 
 
@@ -93,6 +93,16 @@ def test_the_pooled_interval_covers_every_round_of_every_run_and_judges_the_bar(
         {m: {"ttft_p50_ms": 50.0 * k, "ttft_p90_ms": 90.0 * k, "run_s": 8.0 * k} for m, k in (("noop", 1), ("kvdi", 2))}
         for _ in range(3)]}]}  # fmt: skip
     assert "FAIL (<= 1.0)" in pooled([("mt", mt)]).split("multi-turn cpu_offload")[1]
+
+
+def test_the_hooks_extra_time_is_put_against_the_do_nothing_connectors_step() -> None:
+    run = _run("cpu_offload", [2.0, 2.0])  # noop's server ITL mean: 2.2 ms
+    run["results"][0]["hook_times"] = {
+        "noop": {"scheduler": {"us_per_step": 3.0}, "worker": {"us_per_step": 12.0}},
+        "kvdi": {"scheduler": {"us_per_step": 15.0}, "worker": {"us_per_step": 22.0}},
+    }
+    line = next(x for x in pooled([("fresh", run)]).splitlines() if x.strip().startswith("cpu_offload fresh"))
+    assert "+22.0 µs a step =  1.00 % of a 2.20 ms step" in line
 
 
 def test_a_run_that_cannot_be_pooled_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

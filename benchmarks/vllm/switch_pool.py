@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -103,6 +104,7 @@ def pooled(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
         per_run = [(name, [{f: r["kvdi"][phase][f] / r["noop"][phase][f] for f in ITL} for r in rounds])
                    for name, rounds in parts]  # fmt: skip
         lines += _rows(f"{config} {phase}", ITL, per_run, bar(config, phase))
+    lines += _hook_rows(runs)
     for config, parts in multi.items():
         per_run = [(name, [{f: r["kvdi"][f] / r["noop"][f] for f in MT_FIGURES} for r in rounds])
                    for name, rounds in parts]  # fmt: skip
@@ -119,6 +121,27 @@ def _rows(title: str, figures: Sequence[str], per_run: list[tuple[str, list[dict
         lines.append(_row(name, {f: [ratios[f] for ratios in rounds] for f in figures}))
     verdict = "" if limit is None else "  " + judge([repeat_interval(v) for v in every.values()], limit)
     lines.append(_row("pooled", every) + verdict)
+    return lines
+
+
+def _hook_rows(runs: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Per configuration and run: the µs a step that kvdi's hooks take over the do-nothing connector's (scheduler
+    plus worker: both are on a step's path), and their share of the do-nothing connector's mean ITL: the cost
+    that the ratios above measure with their noise, accounted for directly."""
+    lines = ["", "time inside the switched hooks, kvdi - noop, scheduler + worker, per engine step, and its share of "
+             "noop's server ITL mean (median over rounds and passes)"]  # fmt: skip
+    for name, doc in runs:
+        for result in doc["results"]:
+            times, rounds = result.get("hook_times"), result.get("rounds")
+            if not times or not rounds or set(times) != {"noop", "kvdi"}:
+                continue
+            extra = sum(t["us_per_step"] for t in times["kvdi"].values()) - sum(
+                t["us_per_step"] for t in times["noop"].values()
+            )
+            step_ms = statistics.median(r["noop"][p]["server ITL mean"] for r in rounds for p in r["noop"])
+            label = f"{result['config']} {name}"
+            share = extra / 10 / step_ms  # µs / (ms * 1000) * 100
+            lines.append(f"  {label:52s} {extra:+7.1f} µs a step = {share:5.2f} % of a {step_ms:.2f} ms step")
     return lines
 
 
