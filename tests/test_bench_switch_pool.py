@@ -44,7 +44,10 @@ def test_a_run_is_taken_only_with_its_commit_its_document_and_the_stall_rule(tmp
             "no stall counts",
         ),
         "missing": (tmp_path / "e.txt", "cannot be read"),
+        "cut short": (_write(tmp_path / "f.txt", "# f: main at 1234abc", None), "not one bench_serve_switch writes"),
     }
+    cut = cases["cut short"][0]
+    cut.write_text(cut.read_text() + '{"benchmark": "bench_serve_switch", "results": [{"config": "nu\n')
     for case, (path, why) in cases.items():
         with pytest.raises(PoolError, match=why):
             load_run(path)

@@ -56,13 +56,18 @@ def load_run(path: Path) -> tuple[str, dict[str, Any]]:
     found = _COMMIT.search(lines[0]) if lines else None
     if found is None:
         raise PoolError(f"{path}: its first line names no 'main at <sha>': cannot tell which code it measured")
-    doc = next((json.loads(x) for x in lines if x.startswith('{"benchmark": "bench_serve_switch"')), None)
-    if doc is None:
-        raise PoolError(f"{path}: holds no bench_serve_switch run document")
-    for result in doc["results"]:
-        for r in result.get("rounds", []):
-            if any("stalls" not in r[mode][phase] for mode in r for phase in r[mode]):
-                raise PoolError(f"{path}: its passes carry no stall counts (a run before the stall rule)")
+    try:
+        doc = next((json.loads(x) for x in lines if x.startswith('{"benchmark": "bench_serve_switch"')), None)
+        if doc is None:
+            raise PoolError(f"{path}: holds no bench_serve_switch run document")
+        for result in doc["results"]:
+            for r in result.get("rounds", []):
+                if any("stalls" not in r[mode][phase] for mode in r for phase in r[mode]):
+                    raise PoolError(f"{path}: its passes carry no stall counts (a run before the stall rule)")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        if isinstance(exc, PoolError):
+            raise
+        raise PoolError(f"{path}: its run document is not one bench_serve_switch writes ({exc!r:.120})") from None
     return found.group(1), doc
 
 
@@ -80,7 +85,10 @@ def check_same_code(commits: Sequence[str], repo: Path) -> None:
     """PoolError unless every commit has the first one's :data:`CODE` (or git cannot compare them)."""
     for commit in dict.fromkeys(commits[1:]):
         cmd = ["git", "-C", str(repo), "diff", "--quiet", commits[0], commit, "--", *CODE]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise PoolError(f"git cannot compare {commits[0]} and {commit} in {repo}: {exc}") from None
         if done.returncode == 1:
             raise PoolError(f"commits {commits[0]} and {commit} differ in {' or '.join(CODE)}: not the same code")
         if done.returncode != 0:
