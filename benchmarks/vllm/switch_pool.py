@@ -32,12 +32,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.vllm.bench_serve import PASSES
 from benchmarks.vllm.bench_serve_pooled import bar, interval_cell, judge
 from benchmarks.vllm.bench_serve_stats import repeat_interval
+from benchmarks.vllm.bench_serve_switch import MODES, MT_FIGURES
 
-PASSES = ("cold", "hit", "load")
 ITL = ("server ITL p50", "server ITL p90")
-MT_FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "run_s")
 CODE = ("kvdi", "benchmarks/vllm/switch_connector.py")
 """What a pooled run must share: kvdi itself and the connector that switches it."""
 _COMMIT = re.compile(r"\bmain at ([0-9a-f]{7,40})\b")
@@ -64,9 +64,9 @@ def load_run(path: Path) -> tuple[str, dict[str, Any]]:
             for r in result.get("rounds", []):
                 if any("stalls" not in r[mode][phase] for mode in r for phase in r[mode]):
                     raise PoolError(f"{path}: its passes carry no stall counts (a run before the stall rule)")
+    except PoolError:
+        raise
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        if isinstance(exc, PoolError):
-            raise
         raise PoolError(f"{path}: its run document is not one bench_serve_switch writes ({exc!r:.120})") from None
     return found.group(1), doc
 
@@ -141,7 +141,7 @@ def _hook_rows(runs: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
     for name, doc in runs:
         for result in doc["results"]:
             times, rounds = result.get("hook_times"), result.get("rounds")
-            if not times or not rounds or set(times) != {"noop", "kvdi"}:
+            if not times or not rounds or set(times) != set(MODES):
                 continue
             extra = sum(t["us_per_step"] for t in times["kvdi"].values()) - sum(
                 t["us_per_step"] for t in times["noop"].values()
