@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks.vllm.bench_serve_multi_turn import ANSWER_TOKENS, CONVERSATIONS, TURNS, conversations, figures
 
 
@@ -53,3 +55,28 @@ def test_the_engines_columns_are_shown_but_the_bar_is_on_the_clients_figures() -
     assert "engine prefill" in lines[1] and "engine request" in lines[1]
     row = next(line for line in lines if line.strip().startswith("cpu_offload"))
     assert "1.50 [1.50-1.50]" in row and row.endswith("pass (<= 1.0)")
+
+
+def test_a_runs_server_work_is_vllms_and_kvdis_counters_moved_and_the_engine_means() -> None:
+    from benchmarks.vllm.bench_serve_multi_turn import server_counters, server_work
+
+    page = "\n".join([
+        "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
+        'vllm:num_preemptions_total{engine="0",model_name="m"} 3.0',
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 640.0',
+        'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9',
+        'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 96.0',
+        'vllm:kvdi_loaded_blocks_total{role="worker",rank="0"} 4.0',
+        'vllm:kvdi_loaded_blocks_total{role="worker",rank="1"} 2.0',
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 999.0',
+    ])  # fmt: skip
+    before = server_counters(page)
+    assert before == {"vllm:num_preemptions": 3.0, "vllm:prefix_cache_hits": 640.0,
+                      "vllm:external_prefix_cache_hits": 96.0, "kvdi loaded_blocks": 6.0}  # fmt: skip
+    times = {"vllm:request_prefill_time_seconds_sum": 1.0, "vllm:request_prefill_time_seconds_count": 10.0,
+             "vllm:request_inference_time_seconds_sum": 2.0, "vllm:request_inference_time_seconds_count": 10.0}  # fmt: skip
+    later = {**times, "vllm:request_prefill_time_seconds_sum": 1.5, "vllm:request_prefill_time_seconds_count": 20.0}
+    after = {**before, "vllm:num_preemptions": 5.0, "kvdi loaded_blocks": 16.0, "kvdi saved_blocks": 4.0}
+    work = server_work(before | times, after | later)
+    assert work == {"engine_prefill_ms": pytest.approx(50.0), "vllm:num_preemptions": 2.0,
+                    "kvdi loaded_blocks": 10.0, "kvdi saved_blocks": 4.0}  # fmt: skip

@@ -122,3 +122,18 @@ def test_a_pass_is_stalled_when_its_client_got_whole_responses_and_the_table_cou
     assert "passes run again, stalled (client saw whole responses at once): noop 4, kvdi 2; kept stalled: noop 1, " \
            "kvdi 0" in hit[4]  # fmt: skip
     assert hit[3].startswith("    kvdi per pass (median): worker main 1250, kvdi lookups 16")  # median of 2500, 0
+
+
+def test_a_multi_turn_run_without_the_clients_modules_is_one_line_and_exit_2_before_any_server(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.vllm import bench_serve_multi_turn, bench_serve_switch
+
+    monkeypatch.setattr(bench_serve_multi_turn, "CLIENT_MODULES", ("json", "kvdi_no_such_module"))
+    priority = os.getpriority(os.PRIO_PROCESS, 0)
+    assert bench_serve_switch.main(["--rounds", "0", "--multi-turn", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("--multi-turn 2: vLLM's multi-turn client cannot run: the client imports ")
+    assert "kvdi_no_such_module: not here" in err[0] and "json" not in err[0] and "pip install" in err[0]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == priority  # said before the client's priority was raised

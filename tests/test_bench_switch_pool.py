@@ -118,3 +118,8 @@ def test_a_run_that_cannot_be_pooled_is_one_line_and_exit_2(tmp_path: Path, caps
     copy = _write(tmp_path / "copy.txt", "# copy: main at 1234abc", run)
     assert main([str(one), str(copy)]) == 2
     assert "hold the same run (started 2026-12-06T07:17:30Z)" in capsys.readouterr().err
+    quiet = {**run, "started": "2026-12-06T12:00:00Z", "args": {"stats_dir": "False"}}
+    without = _write(tmp_path / "without.txt", "# without: main at 1234abc", quiet)
+    assert main([str(one), str(without)]) == 2  # a run before --stats-dir had the stats files on
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "one.txt ran with kvdi's stats files on, " in err and "without.txt without" in err

@@ -108,8 +108,9 @@ def server_priority() -> None:
     allow_all()
 
 
-def kv_for(name: str, store: Path, redis_url: str, stats: Path) -> dict[str, Any] | None:
-    """The ``--kv-transfer-config`` of configuration ``name`` (None: no connector); ``<name>@before`` is ``name``."""
+def kv_for(name: str, store: Path, redis_url: str, stats: Path | None) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` of configuration ``name`` (None: no connector); ``<name>@before`` is ``name``.
+    ``stats``: kvdi's stats files (``kvdi_stats_dir``, opt-in) go there; None: off, as kvdi's default."""
     name = name.removesuffix(BEFORE)
     if name == "none":
         return None

@@ -167,7 +167,13 @@ def run_rounds(client: Path, model: Path, url: str, convs: Sequence[Path], stem:
     return figures(merged, run_s) | {"run_s": run_s}
 
 
-ENGINE_TIMES = ("vllm:request_prefill_time_seconds", "vllm:request_inference_time_seconds")
+ENGINE_TIMES = (
+    "vllm:request_prefill_time_seconds", "vllm:request_inference_time_seconds", "vllm:request_queue_time_seconds",
+    "vllm:time_to_first_token_seconds",
+)  # fmt: skip
+ENGINE_KEYS = ("engine_prefill_ms", "engine_request_ms", "engine_queue_ms", "server_ttft_ms")
+"""The per-request means :func:`engine_means` names them by (queue: arrival in the engine to scheduled; server TTFT:
+the API server's, arrival to first token, without the client processes' share)."""
 
 
 def engine_times(url: str) -> dict[str, float]:
@@ -184,25 +190,74 @@ def engine_times(url: str) -> dict[str, float]:
     return out
 
 
+SERVER_COUNTERS = (
+    "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits",
+)  # fmt: skip
+"""vLLM's counters a multi-turn run's server work is told by (tokens, except the preemptions): with a cache smaller
+than the conversations, how much of the prompts vLLM's own cache held, how much a connector loaded, and how often
+vLLM preempted a running request for room."""
+
+
+def server_snapshot(url: str) -> dict[str, float]:
+    """:func:`engine_times`, :data:`SERVER_COUNTERS` and kvdi's counters (``kvdi <name>``) on ``url``'s ``/metrics``
+    now, each summed over its label sets."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return engine_times(url) | server_counters(text)
+
+
+def server_counters(metrics_text: str) -> dict[str, float]:
+    """:data:`SERVER_COUNTERS` (by family name) and kvdi's counters (``kvdi <name>``) in a Prometheus page."""
+    from benchmarks.vllm.bench_serve_switch import kvdi_counters
+
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        name, _, value = line.rpartition(" ")
+        family = name.split("{")[0]
+        if family.endswith("_total") and family.removesuffix("_total") in SERVER_COUNTERS:
+            out[family.removesuffix("_total")] = out.get(family.removesuffix("_total"), 0.0) + float(value)
+    return out | {f"kvdi {k}": v for k, v in kvdi_counters(metrics_text).items()}
+
+
+def server_work(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the server did between two :func:`server_snapshot`: :func:`engine_means`, and the increase of every
+    counter that moved (``vllm:num_preemptions`` and kvdi's included)."""
+    moved = {k: after[k] - before.get(k, 0.0) for k in after if not k.startswith(ENGINE_TIMES)}
+    return engine_means(before, after) | {k: v for k, v in moved.items() if v}
+
+
 def engine_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Mean engine-side prefill and request time (ms) of the requests between ``before`` and ``after``: the
     server's own share of TTFT and latency, without the client processes' (4 of them here, on the same cores)."""
     out = {}
-    for metric, key in zip(ENGINE_TIMES, ("engine_prefill_ms", "engine_request_ms"), strict=True):
-        count = after[f"{metric}_count"] - before[f"{metric}_count"]
+    for metric, key in zip(ENGINE_TIMES, ENGINE_KEYS, strict=True):
+        count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
         if count > 0:
             out[key] = (after[f"{metric}_sum"] - before[f"{metric}_sum"]) / count * 1e3
     return out
 
 
+CLIENT_MODULES = ("pandas", "aiohttp")
+"""What vLLM's multi-turn client imports beyond ``.venv-vllm``'s own packages."""
+
+
+def client_or_reason() -> Path | str:
+    """The multi-turn client's folder (:func:`fetch_client`), or why it cannot run here: a module it imports
+    (:data:`CLIENT_MODULES`) missing from this venv (checked first: nothing fetched then), or vLLM's source
+    distribution not had."""
+    missing = [m for m in CLIENT_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        names = " ".join(missing)
+        return f"the client imports {', '.join(missing)}: not here ({sys.executable} -m pip install {names})"
+    return fetch_client(vllm_version())
+
+
 def run_multi_turn(configs: Sequence[str], args: Any, work: Path, server: Callable[..., Any]) -> list[dict[str, Any]]:
     """vLLM's multi-turn client against each configuration (a cache of :data:`CACHE_BLOCKS` blocks), alternated
     over ``args.repeats``; or one line saying why it was left out."""
-    fetched = fetch_client(vllm_version())
-    missing = [m for m in ("pandas", "aiohttp") if importlib.util.find_spec(m) is None]
-    if isinstance(fetched, str) or missing:
-        reason = fetched if isinstance(fetched, str) else f"the client imports {', '.join(missing)}: not here"
-        line = f"multi-turn: left out: {reason}"
+    fetched = client_or_reason()
+    if isinstance(fetched, str):
+        line = f"multi-turn: left out: {fetched}"
         print(line, file=sys.stderr)
         return [{"config": "multi-turn", "repeat": 0, "multi_turn": line}]
     from benchmarks.vllm.bench_serve import kv_for

@@ -156,8 +156,14 @@ def one_pass(server: serve.Server, argv: list[str], settle_s: float, folder: Pat
     out["client ITL p50"] = float(result["median_itl_ms"])
     moved = histogram_delta(counted, kvdi_counters(text))
     out |= {f"kvdi {k}": v for k, v in sorted(moved.items()) if v}
-    for role, (main, threads) in process_cpu(folder).items():
-        was = cpu.get(role, (main, threads))
+    return out | cpu_spent(cpu, process_cpu(folder))
+
+
+def cpu_spent(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """CPU ms each role's main thread and other threads spent between two :func:`process_cpu` readings."""
+    out: dict[str, float] = {}
+    for role, (main, threads) in after.items():
+        was = before.get(role, (main, threads))
         out |= {f"cpu {role} main": main - was[0], f"cpu {role} threads": threads - was[1]}
     return out
 
@@ -199,7 +205,7 @@ def serve_switched(name: str, args: argparse.Namespace, work: Path, redis_url: s
     """One server of kvdi ``name`` behind the switch; every round's passes in both modes."""
     store, stats, folder = work / f"store-{name}", work / f"stats-{name}", work / f"switch-{name}"
     folder.mkdir()
-    kv = serve.kv_for(name, store, redis_url, stats)
+    kv = serve.kv_for(name, store, redis_url, stats if args.stats_dir else None)
     assert kv is not None
     os.environ.update(BENCH_SWITCH_DIR=str(folder), BENCH_SWITCH_START="noop")
     server = serve.Server(args.model, work / f"serve-{name}.log", {**kv, **SWITCH}, 2048, log_stats=True,
@@ -238,13 +244,13 @@ def serve_multi_turn_switched(name: str, args: argparse.Namespace, work: Path, r
     (ABBA), vLLM's prefix cache reset before each run."""
     from benchmarks.vllm import bench_serve_multi_turn as mt
 
-    client = mt.fetch_client(mt.vllm_version())
+    client = mt.client_or_reason()
     if isinstance(client, str):
         raise RuntimeError(f"multi-turn: {client}")
     mt.add_chat_template(args.model)
     store, stats, folder = work / f"mt-store-{name}", work / f"mt-stats-{name}", work / f"mt-switch-{name}"
     folder.mkdir()
-    kv = serve.kv_for(name, store, redis_url, stats)
+    kv = serve.kv_for(name, store, redis_url, stats if args.stats_dir else None)
     assert kv is not None
     os.environ.update(BENCH_SWITCH_DIR=str(folder), BENCH_SWITCH_START="noop")
     extra = ("--num-gpu-blocks-override", str(mt.CACHE_BLOCKS))
@@ -261,10 +267,11 @@ def serve_multi_turn_switched(name: str, args: argparse.Namespace, work: Path, r
                 if not server.reset_prefix_cache():
                     raise RuntimeError("reset_prefix_cache refused")
                 time.sleep(args.settle_s)
-                row[mode] = mt.run_rounds(client, args.model, server.url, [conv], work / f"mt-{name}-{r}-{mode}")
-                fig = row[mode]
-                print(f"  multi-turn {name} r{r} {mode:4s} ttft p50 {fig['ttft_p50_ms']:.1f} p90 "
-                      f"{fig['ttft_p90_ms']:.1f} run {fig['run_s']:.2f} s, {fig['requests']:.0f} answered",
+                before, cpu = mt.server_snapshot(server.url), process_cpu(folder)
+                fig = mt.run_rounds(client, args.model, server.url, [conv], work / f"mt-{name}-{r}-{mode}")
+                fig |= mt.server_work(before, mt.server_snapshot(server.url)) | cpu_spent(cpu, process_cpu(folder))
+                row[mode] = fig
+                print(f"  multi-turn {name} r{r} {mode:4s} " + " ".join(f"{k} {v:.3f}" for k, v in fig.items()),
                       file=sys.stderr)  # fmt: skip
             rounds.append(row)
         switch_to("noop", folder)
@@ -284,15 +291,19 @@ def mt_table(result: dict[str, Any]) -> list[str]:
     cells = [interval_cell(x) if x else "-" for x in intervals]
     cells.append(judge(list(intervals), 1.0))
     lines.append(f"{'  kvdi ' + name:28s}" + "".join(f"{c:>24s}" for c in cells))
-    return lines
+    return lines + pass_work([{m: {"run": r[m]} for m in MODES} for r in rounds], "run")
+
+
+WORK_KEYS = ("cpu ", "kvdi ", "vllm:", "engine_")
 
 
 def pass_work(rounds: list[dict[str, Any]], phase: str) -> list[str]:
     """What each mode did in ``phase``, medians over rounds: CPU ms of the engine core's and the worker's main
-    thread and other threads, and (kvdi mode) kvdi's counters: where time goes outside the hooks."""
+    thread and other threads, (kvdi mode) kvdi's counters, and (multi-turn) vLLM's engine-side request times and
+    counters (:func:`.bench_serve_multi_turn.server_work`): where time goes outside the hooks."""
     lines = []
     for mode in MODES:
-        keys = sorted({k for r in rounds for k in r[mode][phase] if k.startswith(("cpu ", "kvdi "))})
+        keys = sorted({k for r in rounds for k in r[mode][phase] if k.startswith(WORK_KEYS)})
         if keys:
             med = {k: statistics.median(r[mode][phase].get(k, 0.0) for r in rounds) for k in keys}
             cells = [f"{k[4:] if k.startswith('cpu ') else k} {v:.0f}" for k, v in med.items()]
@@ -352,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mt-configs", default="shared_storage,cpu_offload", help="configurations it runs")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--stats-dir", action="store_true", help="kvdi's opt-in stats files on (kvdi_stats_dir; earlier runs had them)"
+    )
+    parser.add_argument(
         "--work", type=Path, default=None, help="keep stores and server logs here (default: a temp dir)"
     )
     args = parser.parse_args(argv)
@@ -362,6 +376,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--configs/--mt-configs {bad} / --rounds {args.rounds} / --prompts {args.prompts} / --multi-turn "
               f"{args.multi_turn}: allowed {CONFIGS}, 0 or >= 2, >= 4, 0 or >= 2")  # fmt: skip
         return 2
+    if args.multi_turn:  # said before any server starts, not as a traceback after the single-turn rounds
+        from benchmarks.vllm.bench_serve_multi_turn import client_or_reason
+
+        client = client_or_reason()
+        if isinstance(client, str):
+            print(f"--multi-turn {args.multi_turn}: vLLM's multi-turn client cannot run: {client}", file=sys.stderr)
+            return 2
     patch_version()
     priority = serve.client_priority()
     serve.SERVER_PRIORITY[0] = serve.CLIENT_PRIORITY  # as bench_serve's default --server-priority

@@ -81,6 +81,19 @@ def check_distinct(paths: Sequence[Path], docs: Sequence[dict[str, Any]]) -> Non
         seen[started] = path
 
 
+def stats_files(doc: dict[str, Any]) -> bool:
+    """Whether a run had kvdi's opt-in stats files on (``--stats-dir``; every run before that flag had them)."""
+    return str(doc.get("args", {}).get("stats_dir", True)) == "True"
+
+
+def check_same_setup(paths: Sequence[Path], docs: Sequence[dict[str, Any]]) -> None:
+    """PoolError when the runs differ in kvdi's stats files (on costs their writer threads' CPU: another setup)."""
+    on = [stats_files(doc) for doc in docs]
+    if len(set(on)) > 1:
+        raise PoolError(f"{paths[on.index(True)]} ran with kvdi's stats files on, {paths[on.index(False)]} without "
+                        "(--stats-dir): not the same setup")  # fmt: skip
+
+
 def check_same_code(commits: Sequence[str], repo: Path) -> None:
     """PoolError unless every commit has the first one's :data:`CODE` (or git cannot compare them)."""
     for commit in dict.fromkeys(commits[1:]):
@@ -170,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loaded = [load_run(path) for path in args.runs]
         check_distinct(args.runs, [doc for _, doc in loaded])
+        check_same_setup(args.runs, [doc for _, doc in loaded])
         check_same_code([commit for commit, _ in loaded], args.repo)
     except PoolError as exc:
         print(f"switch_pool: {exc}", file=sys.stderr)
