@@ -36,7 +36,7 @@ from kvdi.errors import ConfigError
 logger = logging.getLogger(f"vllm.{__name__}")  # vLLM configures only its own logger tree
 
 _FILE_MODE = 0o600
-MIN_WRITE_INTERVAL_S = 0.05  # the writer thread's rest between two writes: at most 20 files a second
+MIN_WRITE_INTERVAL_S = 0.25  # the writer thread's rest between two writes: at most 4 files a second
 _DIR_MODE = 0o700
 
 
