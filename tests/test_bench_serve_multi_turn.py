@@ -80,3 +80,17 @@ def test_a_runs_server_work_is_vllms_and_kvdis_counters_moved_and_the_engine_mea
     work = server_work(before | times, after | later)
     assert work == {"engine_prefill_ms": pytest.approx(50.0), "vllm:num_preemptions": 2.0,
                     "kvdi loaded_blocks": 10.0, "kvdi saved_blocks": 4.0}  # fmt: skip
+
+
+def test_a_runs_server_ttft_quantiles_are_those_of_the_requests_between_the_two_reads() -> None:
+    from benchmarks.vllm.bench_serve_multi_turn import TTFT, server_work
+
+    def hist(counts: dict[str, float]) -> dict[str, float]:
+        return {f"{TTFT}|{le}": n for le, n in counts.items()}
+
+    before = hist({"0.01": 5.0, "0.02": 5.0, "+Inf": 5.0, "count": 5.0, "sum": 0.04})
+    # 10 more requests: 5 at most 10 ms, 5 between 10 and 20 ms
+    after = hist({"0.01": 10.0, "0.02": 15.0, "+Inf": 15.0, "count": 15.0, "sum": 0.2})
+    work = server_work(before, after)
+    assert work == {"server_ttft_p50_ms": pytest.approx(10.0), "server_ttft_p90_ms": pytest.approx(18.0)}
+    assert server_work(before, before) == {}  # no request: no quantile

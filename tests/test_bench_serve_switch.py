@@ -71,6 +71,19 @@ def test_a_store_is_judged_on_hit_and_load_only_and_multi_turn_against_one() -> 
     assert all("pass" in line for line in store[1:])
     (multi,) = [line for line in lines if line.startswith("  kvdi cpu_offload")]
     assert "0.900 [0.900-0.900]" in multi and multi.rstrip().endswith("pass (<= 1.0)")
+    assert not [line for line in lines if line.startswith("  server side")]  # runs before vLLM's figures were kept
+
+
+def test_a_multi_turn_table_shows_vllms_own_figures_beside_the_clients() -> None:
+    server = {"server_ttft_p50_ms": 20.0, "server_ttft_p90_ms": 40.0, "engine_request_ms": 60.0}
+    mt = [{"noop": {f: 4.0 for f in MT_FIGURES} | server,
+           "kvdi": {f: 4.4 for f in MT_FIGURES} | {k: v / 2 for k, v in server.items()}}] * 3  # fmt: skip
+    lines = table({"results": [{"config": "cpu_offload", "multi_turn_rounds": mt}], "minutes": 1.0})
+    (bar,) = [line for line in lines.splitlines() if line.startswith("  kvdi cpu_offload")]
+    assert bar.rstrip().endswith("FAIL (<= 1.0)")  # the bar is on the client's figures
+    (side,) = [line for line in lines.splitlines() if line.startswith("  server side")]
+    assert side.split()[5:] == ["server_ttft_p50", "0.500", "[0.500-0.500]", "server_ttft_p90", "0.500",
+                                "[0.500-0.500]", "engine_request", "0.500", "[0.500-0.500]"]  # fmt: skip
 
 
 def test_kvdi_counters_are_summed_over_label_sets_and_only_counters_kept() -> None:

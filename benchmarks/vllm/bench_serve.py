@@ -58,6 +58,7 @@ from benchmarks.vllm.bench_serve_pooled import engine_cpu_s
 from benchmarks.vllm.bench_serve_report import table
 from benchmarks.vllm.bench_serve_stats import (
     ITL_BUCKETS_S,
+    TTFT_BUCKETS_S,
     cpu_delta,
     group_cpu_s,
     histogram_delta,
@@ -145,7 +146,7 @@ class Server:
             *extra,
         ]  # fmt: skip
         # log stats on: vLLM's inter-token histogram (engine-side timestamps), with buckets fine enough for quantiles
-        buckets = json.dumps({"inter_token_latency": ITL_BUCKETS_S})
+        buckets = json.dumps({"inter_token_latency": ITL_BUCKETS_S, "time_to_first_token": TTFT_BUCKETS_S})
         command += ["--custom-histogram-buckets", buckets] if log_stats else ["--disable-log-stats"]
         if kv is not None:
             command += ["--kv-transfer-config", json.dumps(kv)]

@@ -201,9 +201,17 @@ vLLM preempted a running request for room."""
 def server_snapshot(url: str) -> dict[str, float]:
     """:func:`engine_times`, :data:`SERVER_COUNTERS` and kvdi's counters (``kvdi <name>``) on ``url``'s ``/metrics``
     now, each summed over its label sets."""
+    from benchmarks.vllm.bench_serve_stats import itl_histogram
+
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:
         text = reply.read().decode()
-    return engine_times(url) | server_counters(text)
+    ttft = {f"{TTFT}|{le}": n for le, n in itl_histogram(text, TTFT).items()}
+    return engine_times(url) | server_counters(text) | ttft
+
+
+TTFT = "vllm:time_to_first_token_seconds"
+"""vLLM's own TTFT histogram (the API server's: a request's arrival to its first token, without the client
+processes' share), in fine buckets (:data:`.bench_serve_stats.TTFT_BUCKETS_S`): its p50 and p90 per run."""
 
 
 def server_counters(metrics_text: str) -> dict[str, float]:
@@ -222,8 +230,13 @@ def server_counters(metrics_text: str) -> dict[str, float]:
 def server_work(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """What the server did between two :func:`server_snapshot`: :func:`engine_means`, and the increase of every
     counter that moved (``vllm:num_preemptions`` and kvdi's included)."""
-    moved = {k: after[k] - before.get(k, 0.0) for k in after if not k.startswith(ENGINE_TIMES)}
-    return engine_means(before, after) | {k: v for k, v in moved.items() if v}
+    from benchmarks.vllm.bench_serve_stats import histogram_quantiles
+
+    moved = {k: after[k] - before.get(k, 0.0) for k in after if not k.startswith((*ENGINE_TIMES, TTFT))}
+    hist = {k.partition("|")[2]: v - before.get(k, 0.0) for k, v in after.items() if k.startswith(f"{TTFT}|")}
+    quantiles = histogram_quantiles(hist) if hist.get("count") else []
+    ttft = dict(zip(("server_ttft_p50_ms", "server_ttft_p90_ms"), quantiles, strict=False))
+    return engine_means(before, after) | ttft | {k: v for k, v in moved.items() if v}
 
 
 def engine_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

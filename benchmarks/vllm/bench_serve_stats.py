@@ -144,6 +144,8 @@ def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
 ITL_METRIC = "vllm:inter_token_latency_seconds"
 ITL_BUCKETS_S = [round(0.0005 + 0.000025 * i, 6) for i in range(301)] + [0.009, 0.01, 0.0125, 0.015, 0.02, 0.03]
 ITL_BUCKETS_S += [0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+TTFT_BUCKETS_S = [round(0.001 * i, 3) for i in range(1, 201)] + [0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0]
+"""vLLM's time-to-first-token histogram (log stats on), 1 ms apart up to 200 ms: quantiles of a multi-turn run."""
 
 
 def itl_histogram(metrics_text: str, metric: str = ITL_METRIC) -> dict[str, float]:

@@ -291,10 +291,24 @@ def mt_table(result: dict[str, Any]) -> list[str]:
     cells = [interval_cell(x) if x else "-" for x in intervals]
     cells.append(judge(list(intervals), 1.0))
     lines.append(f"{'  kvdi ' + name:28s}" + "".join(f"{c:>24s}" for c in cells))
+    server = [k for k in SERVER_FIGURES if all(k in r[m] for r in rounds for m in MODES)]
+    if server:  # vLLM's own figures, without the client processes' share: no bar on them
+        ratios = [repeat_interval([r["kvdi"][k] / r["noop"][k] for r in rounds]) for k in server]
+        lines.append(
+            f"{'  server side, kvdi / noop':28s}"
+            + "".join(
+                f"{k.removesuffix('_ms')} {interval_cell(x) if x else '-'}  "
+                for k, x in zip(server, ratios, strict=True)
+            )
+        )
     return lines + pass_work([{m: {"run": r[m]} for m in MODES} for r in rounds], "run")
 
 
-WORK_KEYS = ("cpu ", "kvdi ", "vllm:", "engine_")
+SERVER_FIGURES = ("server_ttft_p50_ms", "server_ttft_p90_ms", "engine_request_ms")
+"""vLLM's own figures of a multi-turn run (:func:`.bench_serve_multi_turn.server_work`), as ratios beside the bar's."""
+
+
+WORK_KEYS = ("cpu ", "kvdi ", "vllm:", "engine_", "server_")
 
 
 def pass_work(rounds: list[dict[str, Any]], phase: str) -> list[str]:
