@@ -78,7 +78,11 @@ def test_a_multi_turn_table_shows_vllms_own_figures_beside_the_clients() -> None
     server = {"server_ttft_p50_ms": 20.0, "server_ttft_p90_ms": 40.0, "engine_request_ms": 60.0}
     mt = [{"noop": {f: 4.0 for f in MT_FIGURES} | server,
            "kvdi": {f: 4.4 for f in MT_FIGURES} | {k: v / 2 for k, v in server.items()}}] * 3  # fmt: skip
-    lines = table({"results": [{"config": "cpu_offload", "multi_turn_rounds": mt}], "minutes": 1.0})
+    steps = {m: {"scheduler": {"steps": n, "us_per_step": 2.0, "top": [("build_connector_meta", 1.0)]}}
+             for m, n in (("noop", 900), ("kvdi", 1400))}  # fmt: skip
+    result = {"config": "cpu_offload", "multi_turn_rounds": mt, "hook_times": steps}
+    lines = table({"results": [result], "minutes": 1.0})
+    assert "  kvdi scheduler     2.0 over 1400 steps (build_connector_meta 1.0)" in lines.splitlines()
     (bar,) = [line for line in lines.splitlines() if line.startswith("  kvdi cpu_offload")]
     assert bar.rstrip().endswith("FAIL (<= 1.0)")  # the bar is on the client's figures
     (side,) = [line for line in lines.splitlines() if line.startswith("  server side")]

@@ -240,8 +240,9 @@ def server_work(before: dict[str, float], after: dict[str, float]) -> dict[str, 
 
 
 def engine_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Mean engine-side prefill and request time (ms) of the requests between ``before`` and ``after``: the
-    server's own share of TTFT and latency, without the client processes' (4 of them here, on the same cores)."""
+    """Mean engine-side queue, prefill and request time and the API server's TTFT (ms, :data:`ENGINE_KEYS`) of the
+    requests between ``before`` and ``after``: the server's own share of TTFT and latency, without the client
+    processes' (4 of them here, on the same cores)."""
     out = {}
     for metric, key in zip(ENGINE_TIMES, ENGINE_KEYS, strict=True):
         count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)

@@ -275,9 +275,10 @@ def serve_multi_turn_switched(name: str, args: argparse.Namespace, work: Path, r
                       file=sys.stderr)  # fmt: skip
             rounds.append(row)
         switch_to("noop", folder)
+        times = final_hook_times(folder)
     finally:
         server.stop()
-    return {"config": name, "multi_turn_rounds": rounds}
+    return {"config": name, "multi_turn_rounds": rounds, "hook_times": times}
 
 
 def mt_table(result: dict[str, Any]) -> list[str]:
@@ -335,7 +336,7 @@ def table(doc: dict[str, Any]) -> str:
     head = f"{'':28s}" + "".join(f"{f:>24s}" for f in (*FIGURES, "ITL bar"))
     for result in doc["results"]:
         if "multi_turn_rounds" in result:
-            lines += mt_table(result)
+            lines += mt_table(result) + hook_lines(result)
             continue
         name, rounds = result["config"], result["rounds"]
         for phase in serve.PASSES:
@@ -356,12 +357,21 @@ def table(doc: dict[str, Any]) -> str:
                 lines.append("    passes run again, stalled (client saw whole responses at once): "
                              + ", ".join(f"{m} {stalls[m]}" for m in MODES)
                              + "; kept stalled: " + ", ".join(f"{m} {left[m]}" for m in MODES))  # fmt: skip
-        lines.append(f"{name}: time inside the switched hooks per engine step, both modes timed alike (µs):")
-        for mode, roles in result.get("hook_times", {}).items():
-            for role, t in roles.items():
-                top = ", ".join(f"{h} {us:.1f}" for h, us in t["top"])
-                lines.append(f"  {mode:4s} {role:9s} {t['us_per_step']:7.1f} over {t['steps']} steps ({top})")
+        lines += hook_lines(result)
     return "\n".join(lines)
+
+
+def hook_lines(result: dict[str, Any]) -> list[str]:
+    """Time inside the switched hooks per engine step and the steps each mode ran (a mode that ran more steps for
+    the same requests stepped while idle: held saves keep vLLM's engine stepping)."""
+    if not result.get("hook_times"):
+        return []
+    lines = [f"{result['config']}: time inside the switched hooks per engine step, both modes timed alike (µs):"]
+    for mode, roles in result["hook_times"].items():
+        for role, t in roles.items():
+            top = ", ".join(f"{h} {us:.1f}" for h, us in t["top"])
+            lines.append(f"  {mode:4s} {role:9s} {t['us_per_step']:7.1f} over {t['steps']} steps ({top})")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
