@@ -87,6 +87,9 @@ def test_lookups_wait_for_the_announced_pairing_then_count_the_published_prefix(
     session = Session(hs.session_key(TOKEN.encode(), producer, consumer))
     for key in (KEYS[0], KEYS[1], KEYS[3]):  # block 2 missing: the prefix is 2 blocks
         store.set(session.published(session.name(key)), "1")
+    # TCPStore's set sends without waiting for a reply, and the lookup side asks on a connection of its own: one
+    # round trip on this connection (check) makes the server apply the sets above before the lookups below arrive.
+    assert store.check([PAIRED_KEY, session.published(session.name(KEYS[3]))])
     assert side.count_published(KEYS) == 2, side.broken
     assert side.count_published(KEYS[:1]) == 1, side.broken
 
