@@ -167,25 +167,26 @@ def run_rounds(client: Path, model: Path, url: str, convs: Sequence[Path], stem:
     return figures(merged, run_s) | {"run_s": run_s}
 
 
+TTFT = "vllm:time_to_first_token_seconds"
+"""vLLM's own TTFT histogram (the API server's: a request's arrival to its first token, without the client
+processes' share), in fine buckets (:data:`.bench_serve_stats.TTFT_BUCKETS_S`): its p50 and p90 per run."""
 ENGINE_TIMES = (
-    "vllm:request_prefill_time_seconds", "vllm:request_inference_time_seconds", "vllm:request_queue_time_seconds",
-    "vllm:time_to_first_token_seconds",
+    "vllm:request_prefill_time_seconds", "vllm:request_inference_time_seconds", "vllm:request_queue_time_seconds", TTFT,
 )  # fmt: skip
 ENGINE_KEYS = ("engine_prefill_ms", "engine_request_ms", "engine_queue_ms", "server_ttft_ms")
 """The per-request means :func:`engine_means` names them by (queue: arrival in the engine to scheduled; server TTFT:
 the API server's, arrival to first token, without the client processes' share)."""
 
 
-def engine_times(url: str) -> dict[str, float]:
-    """vLLM's engine-side request times so far (log stats on): ``<metric>_sum`` and ``_count`` of each of
-    :data:`ENGINE_TIMES` (prefill: scheduled to first token; inference: scheduled to finished)."""
+def engine_times(metrics_text: str) -> dict[str, float]:
+    """vLLM's engine-side request times so far (log stats on) in a ``/metrics`` page: ``<metric>_sum`` and
+    ``_count`` of each of :data:`ENGINE_TIMES` (prefill: scheduled to first token; inference: scheduled to
+    finished)."""
     from benchmarks.vllm.bench_serve_stats import itl_histogram
 
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:
-        text = reply.read().decode()
     out: dict[str, float] = {}
     for metric in ENGINE_TIMES:
-        hist = itl_histogram(text, metric)
+        hist = itl_histogram(metrics_text, metric)
         out |= {f"{metric}_sum": hist.get("sum", 0.0), f"{metric}_count": hist.get("count", 0.0)}
     return out
 
@@ -198,32 +199,22 @@ than the conversations, how much of the prompts vLLM's own cache held, how much 
 vLLM preempted a running request for room."""
 
 
-def server_snapshot(url: str) -> dict[str, float]:
-    """:func:`engine_times`, :data:`SERVER_COUNTERS` and kvdi's counters (``kvdi <name>``) on ``url``'s ``/metrics``
-    now, each summed over its label sets."""
+def server_snapshot(metrics_text: str) -> dict[str, float]:
+    """:func:`engine_times`, the TTFT histogram's buckets, :data:`SERVER_COUNTERS` and kvdi's counters
+    (``kvdi <name>``) in one ``/metrics`` page, each summed over its label sets."""
     from benchmarks.vllm.bench_serve_stats import itl_histogram
 
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    ttft = {f"{TTFT}|{le}": n for le, n in itl_histogram(text, TTFT).items()}
-    return engine_times(url) | server_counters(text) | ttft
-
-
-TTFT = "vllm:time_to_first_token_seconds"
-"""vLLM's own TTFT histogram (the API server's: a request's arrival to its first token, without the client
-processes' share), in fine buckets (:data:`.bench_serve_stats.TTFT_BUCKETS_S`): its p50 and p90 per run."""
+    ttft = {f"{TTFT}|{le}": n for le, n in itl_histogram(metrics_text, TTFT).items()}
+    return engine_times(metrics_text) | server_counters(metrics_text) | ttft
 
 
 def server_counters(metrics_text: str) -> dict[str, float]:
     """:data:`SERVER_COUNTERS` (by family name) and kvdi's counters (``kvdi <name>``) in a Prometheus page."""
+    from benchmarks.vllm.bench_serve_stats import counter_totals
     from benchmarks.vllm.bench_serve_switch import kvdi_counters
 
-    out: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        name, _, value = line.rpartition(" ")
-        family = name.split("{")[0]
-        if family.endswith("_total") and family.removesuffix("_total") in SERVER_COUNTERS:
-            out[family.removesuffix("_total")] = out.get(family.removesuffix("_total"), 0.0) + float(value)
+    totals = counter_totals(metrics_text)
+    out = {family: totals[family] for family in SERVER_COUNTERS if family in totals}
     return out | {f"kvdi {k}": v for k, v in kvdi_counters(metrics_text).items()}
 
 
@@ -232,7 +223,7 @@ def server_work(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     counter that moved (``vllm:num_preemptions`` and kvdi's included)."""
     from benchmarks.vllm.bench_serve_stats import histogram_quantiles
 
-    moved = {k: after[k] - before.get(k, 0.0) for k in after if not k.startswith((*ENGINE_TIMES, TTFT))}
+    moved = {k: after[k] - before.get(k, 0.0) for k in after if not k.startswith(ENGINE_TIMES)}
     hist = {k.partition("|")[2]: v - before.get(k, 0.0) for k, v in after.items() if k.startswith(f"{TTFT}|")}
     quantiles = histogram_quantiles(hist) if hist.get("count") else []
     ttft = dict(zip(("server_ttft_p50_ms", "server_ttft_p90_ms"), quantiles, strict=False))
@@ -290,9 +281,9 @@ def run_multi_turn(configs: Sequence[str], args: Any, work: Path, server: Callab
             srv = server(args.model, work / f"mt-{name}-{repeat}.log", kv, 512, tree, reserved, extra, True)
             try:
                 srv.wait_ready()
-                before = engine_times(srv.url)
+                before = engine_times(srv.metrics_text())
                 fig = run_rounds(fetched, args.model, srv.url, convs, work / f"mt-{name}-{repeat}")
-                fig |= engine_means(before, engine_times(srv.url))
+                fig |= engine_means(before, engine_times(srv.metrics_text()))
             finally:
                 srv.stop()
             print(f"  multi-turn r{repeat} {name:15s} ttft p50 {fig['ttft_p50_ms']:.1f} p90 {fig['ttft_p90_ms']:.1f}"

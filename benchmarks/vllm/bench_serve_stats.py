@@ -148,6 +148,19 @@ TTFT_BUCKETS_S = [round(0.001 * i, 3) for i in range(1, 201)] + [0.25, 0.3, 0.4,
 """vLLM's time-to-first-token histogram (log stats on), 1 ms apart up to 200 ms: quantiles of a multi-turn run."""
 
 
+def counter_totals(metrics_text: str) -> dict[str, float]:
+    """Every counter (``<family>_total``) in a Prometheus text page, by family name without ``_total``, summed over
+    its label sets."""
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        name, _, value = line.rpartition(" ")
+        family = name.split("{")[0]
+        if family.endswith("_total") and not line.startswith("#"):
+            short = family.removesuffix("_total")
+            out[short] = out.get(short, 0.0) + float(value)
+    return out
+
+
 def itl_histogram(metrics_text: str, metric: str = ITL_METRIC) -> dict[str, float]:
     """Cumulative bucket counts by upper bound (``le`` as written, ``+Inf`` included), ``_sum`` and ``_count`` of
     ``metric`` in a Prometheus text page, summed over its label sets."""

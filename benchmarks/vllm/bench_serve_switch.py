@@ -34,7 +34,13 @@ from typing import Any
 
 from benchmarks.vllm import bench_serve as serve
 from benchmarks.vllm.bench_serve_pooled import bar, interval_cell, judge
-from benchmarks.vllm.bench_serve_stats import histogram_delta, histogram_quantiles, itl_histogram, repeat_interval
+from benchmarks.vllm.bench_serve_stats import (
+    counter_totals,
+    histogram_delta,
+    histogram_quantiles,
+    itl_histogram,
+    repeat_interval,
+)
 from benchmarks.vllm.vllm_cli import patch_version
 from tests.real_vllm.serve_support import model_with_tokenizer
 from tests.real_vllm.vllm_support import make_tiny_llama
@@ -105,15 +111,8 @@ def switch_to(mode: str, folder: Path, timeout_s: float = 30.0, settle_s: float 
 
 def kvdi_counters(metrics_text: str) -> dict[str, float]:
     """kvdi's counters (``vllm:kvdi_*_total``) in a Prometheus page, summed over their label sets, by short name."""
-    out: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("vllm:kvdi_"):
-            name, _, value = line.rpartition(" ")
-            family = name.split("{")[0][len("vllm:kvdi_") :]
-            if family.endswith("_total"):
-                short = family.removesuffix("_total")
-                out[short] = out.get(short, 0.0) + float(value)
-    return out
+    totals = counter_totals(metrics_text)
+    return {family.removeprefix("vllm:kvdi_"): v for family, v in totals.items() if family.startswith("vllm:kvdi_")}
 
 
 def thread_cpu_ms(pid: int) -> tuple[float, float]:
@@ -267,9 +266,10 @@ def serve_multi_turn_switched(name: str, args: argparse.Namespace, work: Path, r
                 if not server.reset_prefix_cache():
                     raise RuntimeError("reset_prefix_cache refused")
                 time.sleep(args.settle_s)
-                before, cpu = mt.server_snapshot(server.url), process_cpu(folder)
+                before, cpu = mt.server_snapshot(server.metrics_text()), process_cpu(folder)
                 fig = mt.run_rounds(client, args.model, server.url, [conv], work / f"mt-{name}-{r}-{mode}")
-                fig |= mt.server_work(before, mt.server_snapshot(server.url)) | cpu_spent(cpu, process_cpu(folder))
+                after = mt.server_snapshot(server.metrics_text())
+                fig |= mt.server_work(before, after) | cpu_spent(cpu, process_cpu(folder))
                 row[mode] = fig
                 print(f"  multi-turn {name} r{r} {mode:4s} " + " ".join(f"{k} {v:.3f}" for k, v in fig.items()),
                       file=sys.stderr)  # fmt: skip
@@ -362,8 +362,7 @@ def table(doc: dict[str, Any]) -> str:
 
 
 def hook_lines(result: dict[str, Any]) -> list[str]:
-    """Time inside the switched hooks per engine step and the steps each mode ran (a mode that ran more steps for
-    the same requests stepped while idle: held saves keep vLLM's engine stepping)."""
+    """Time inside the switched hooks per engine step, and the engine steps each mode ran over the whole run."""
     if not result.get("hook_times"):
         return []
     lines = [f"{result['config']}: time inside the switched hooks per engine step, both modes timed alike (µs):"]
