@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from benchmarks.vllm.bench_serve_pin import apply, group_processes, is_worker, placement, threads
+from benchmarks.vllm.bench_serve_pin import apply, group_processes, is_engine_core, is_worker, placement, threads
 
 CORES = set(range(os.cpu_count() or 1))
 needs_two = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
@@ -63,6 +63,23 @@ def test_every_thread_of_a_non_worker_and_the_client_move_to_the_free_core(
     free = CORES - {worker}
     assert all(os.sched_getaffinity(tid) == free for tid in threads(sleeper.pid)), line
     assert os.sched_getaffinity(0) == free
+
+
+@needs_two
+def test_engine_on_worker_puts_the_engine_core_with_the_worker_and_the_rest_on_the_free_core(
+    sleeper: subprocess.Popen[bytes], own_affinity: None
+) -> None:
+    worker = sorted(CORES)[0]
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        line = apply({sleeper.pid: "VLLM::EngineCor", other.pid: "vllm"}, {1: {worker}}, CORES, engine_on_worker=True)
+        assert all(os.sched_getaffinity(tid) == {worker} for tid in threads(sleeper.pid)), line
+        assert os.sched_getaffinity(other.pid) == os.sched_getaffinity(0) == CORES - {worker}
+        assert line.startswith("pin: worker and ") and "engine core threads on [" in line
+    finally:
+        other.kill()
+        other.wait()
+    assert is_engine_core("VLLM::EngineCor") and not is_engine_core("VLLM::Worker") and not is_engine_core("vllm")
 
 
 def test_workers_on_every_core_leave_everything_where_it_was(

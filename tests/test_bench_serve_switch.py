@@ -154,3 +154,11 @@ def test_a_multi_turn_run_without_the_clients_modules_is_one_line_and_exit_2_bef
     assert err[0].startswith("--multi-turn 2: vLLM's multi-turn client cannot run: the client imports ")
     assert "kvdi_no_such_module: not here" in err[0] and "json" not in err[0] and "pip install" in err[0]
     assert os.getpriority(os.PRIO_PROCESS, 0) == priority  # said before the client's priority was raised
+
+
+def test_engine_on_worker_without_pin_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.vllm import bench_serve_switch
+
+    assert bench_serve_switch.main(["--rounds", "0", "--multi-turn", "2", "--engine-on-worker"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["--engine-on-worker: places the engine core of a pinned run; allowed only with --pin"]

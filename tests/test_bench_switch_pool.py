@@ -123,3 +123,11 @@ def test_a_run_that_cannot_be_pooled_is_one_line_and_exit_2(tmp_path: Path, caps
     assert main([str(one), str(without)]) == 2  # a run before --stats-dir had the stats files on
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "one.txt ran with kvdi's stats files on, " in err and "without.txt without" in err
+    placed = {**run, "started": "2026-12-06T14:12:00Z", "args": {"engine_on_worker": "True"}}
+    moved = _write(tmp_path / "moved.txt", "# moved: main at 1234abc", placed)
+    assert main([str(one), str(moved)]) == 2  # a run before --engine-on-worker had the engine core off the worker
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1
+        and f"{moved} ran the engine core on the worker's cores, {one} beside the API server" in err
+    )

@@ -98,6 +98,7 @@ def client_priority() -> str:
 
 SERVER_PRIORITY = [BASE_PRIORITY]  # --server-priority: the servers' niceness (set before they start)
 PIN = [False]  # --pin: each ready server's processes placed the same way (:mod:`.bench_serve_pin`)
+ENGINE_ON_WORKER = [False]  # --engine-on-worker: with --pin, the engine core on the worker's cores
 
 
 def server_priority() -> None:
@@ -172,7 +173,7 @@ class Server:
             with contextlib.suppress(OSError), urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
                 if reply.status == 200:
                     if PIN[0]:
-                        print(f"  {pin_server(os.getpgid(self.proc.pid))}", file=sys.stderr)
+                        print(f"  {pin_server(os.getpgid(self.proc.pid), ENGINE_ON_WORKER[0])}", file=sys.stderr)
                     return
             time.sleep(0.5)
         raise RuntimeError(f"vllm serve not ready after {START_TIMEOUT_S}s:\n{self.log_tail()}")

@@ -12,6 +12,11 @@ every thread of its other processes is moved to the cores the worker does not us
 the benchmark's own process (the client; the multi-turn client's processes inherit it). A server is started with
 every core allowed (:func:`allow_all`) so that vLLM's binding sees the machine whole, whatever the client's own
 affinity is by then.
+
+``--engine-on-worker`` (with ``--pin``) puts the engine core on the worker's cores instead, leaving the other
+cores to the API server and the client. The engine core mostly waits for the worker, and waits spinning
+(vLLM's ``SpinCondition``: ``sched_yield`` for a second after each read): next to the API server it takes that
+core's time in proportion to how long the worker's steps run, whatever the worker does in them.
 """
 
 from __future__ import annotations
@@ -55,31 +60,50 @@ def threads(pid: int, proc: Path = PROC) -> list[int]:
     return []
 
 
-def pin_server(pgid: int) -> str:
-    """Move every thread of the server's non-worker processes, and this process, to the cores its workers leave;
-    one line saying what was done (or why nothing was)."""
+def is_engine_core(comm: str) -> bool:
+    """vLLM's engine core process (``VLLM::EngineCore``, cut to 15 characters by the kernel)."""
+    return comm.startswith("VLLM::EngineCor")
+
+
+def pin_server(pgid: int, engine_on_worker: bool = False) -> str:
+    """Move every thread of the server's non-worker processes, and this process, to the cores its workers leave
+    (the engine core's to the workers' own with ``engine_on_worker``); one line saying what was done (or why
+    nothing was)."""
     procs = group_processes(pgid)
     workers = [pid for pid, comm in procs.items() if is_worker(comm)]
     if not workers:
         return "pin: no VLLM::Worker process in the server's group; left unpinned"
-    return apply(procs, {pid: os.sched_getaffinity(pid) for pid in workers}, set(range(os.cpu_count() or 1)))
+    affinity = {pid: os.sched_getaffinity(pid) for pid in workers}
+    return apply(procs, affinity, set(range(os.cpu_count() or 1)), engine_on_worker)
 
 
-def apply(procs: Mapping[int, str], worker_affinity: Mapping[int, set[int]], all_cores: set[int]) -> str:
+def apply(
+    procs: Mapping[int, str],
+    worker_affinity: Mapping[int, set[int]],
+    all_cores: set[int],
+    engine_on_worker: bool = False,
+) -> str:
     cores = placement(worker_affinity.values(), all_cores)
     if cores is None:
         return f"pin: the workers use every core ({sorted(all_cores)}); left unpinned"
-    moved = 0
+    used = set().union(*worker_affinity.values())
+    moved = engine = 0
     for pid, comm in procs.items():
         if is_worker(comm):
             continue
+        on_worker = engine_on_worker and is_engine_core(comm)
         for tid in threads(pid):
             with contextlib.suppress(OSError):  # a thread that just exited
-                os.sched_setaffinity(tid, cores)
-                moved += 1
+                os.sched_setaffinity(tid, used if on_worker else cores)
+                moved += not on_worker
+                engine += on_worker
     os.sched_setaffinity(0, cores)  # the client (this thread; new threads and processes inherit it)
-    used = sorted(set().union(*worker_affinity.values()))
-    return f"pin: worker on {used}; {moved} API server and engine core threads and the client, on {sorted(cores)}"
+    if engine_on_worker:
+        return (f"pin: worker and {engine} engine core threads on {sorted(used)}; {moved} API server threads and "
+                f"the client, on {sorted(cores)}")  # fmt: skip
+    return (
+        f"pin: worker on {sorted(used)}; {moved} API server and engine core threads and the client, on {sorted(cores)}"
+    )
 
 
 def allow_all() -> None:
@@ -88,4 +112,4 @@ def allow_all() -> None:
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
 
 
-__all__ = ["allow_all", "apply", "group_processes", "is_worker", "pin_server", "placement", "threads"]
+__all__ = ["allow_all", "apply", "group_processes", "is_engine_core", "is_worker", "pin_server", "placement", "threads"]

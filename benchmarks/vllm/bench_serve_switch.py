@@ -382,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle-s", type=float, default=1.0)
     parser.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU (as bench_serve)")
     parser.add_argument("--pin", action="store_true", help="as bench_serve --pin")
+    parser.add_argument(
+        "--engine-on-worker", action="store_true", help="with --pin: the engine core on the worker's cores"
+    )
     parser.add_argument("--multi-turn", type=int, default=0, help="rounds of vLLM's multi-turn client (0: none)")
     parser.add_argument("--mt-configs", default="shared_storage,cpu_offload", help="configurations it runs")
     parser.add_argument("--out", type=Path, default=None)
@@ -399,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--configs/--mt-configs {bad} / --rounds {args.rounds} / --prompts {args.prompts} / --multi-turn "
               f"{args.multi_turn}: allowed {CONFIGS}, 0 or >= 2, >= 4, 0 or >= 2")  # fmt: skip
         return 2
+    if args.engine_on_worker and not args.pin:
+        print("--engine-on-worker: places the engine core of a pinned run; allowed only with --pin", file=sys.stderr)
+        return 2
     if args.multi_turn:  # said before any server starts, not as a traceback after the single-turn rounds
         from benchmarks.vllm.bench_serve_multi_turn import client_or_reason
 
@@ -411,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.SERVER_PRIORITY[0] = serve.CLIENT_PRIORITY  # as bench_serve's default --server-priority
     priority = priority.replace(f"servers at {serve.BASE_PRIORITY}", f"servers at {serve.CLIENT_PRIORITY}")
     serve.PIN[0] = args.pin
+    serve.ENGINE_ON_WORKER[0] = args.engine_on_worker
     print(priority, file=sys.stderr)
     from kvdi.testing.redis_server import RedisServer
 

@@ -86,12 +86,24 @@ def stats_files(doc: dict[str, Any]) -> bool:
     return str(doc.get("args", {}).get("stats_dir", True)) == "True"
 
 
+def engine_on_worker(doc: dict[str, Any]) -> bool:
+    """Whether a pinned run put vLLM's engine core on the worker's cores (``--engine-on-worker``; no run before that
+    flag did)."""
+    return str(doc.get("args", {}).get("engine_on_worker", False)) == "True"
+
+
 def check_same_setup(paths: Sequence[Path], docs: Sequence[dict[str, Any]]) -> None:
-    """PoolError when the runs differ in kvdi's stats files (on costs their writer threads' CPU: another setup)."""
+    """PoolError when the runs differ in kvdi's stats files (on costs their writer threads' CPU: another setup) or
+    in where the engine core ran (beside the API server and the client, or on the worker's cores)."""
     on = [stats_files(doc) for doc in docs]
     if len(set(on)) > 1:
         raise PoolError(f"{paths[on.index(True)]} ran with kvdi's stats files on, {paths[on.index(False)]} without "
                         "(--stats-dir): not the same setup")  # fmt: skip
+    placed = [engine_on_worker(doc) for doc in docs]
+    if len(set(placed)) > 1:
+        on_worker, beside = paths[placed.index(True)], paths[placed.index(False)]
+        raise PoolError(f"{on_worker} ran the engine core on the worker's cores, {beside} beside the API server "
+                        "(--engine-on-worker): not the same setup")  # fmt: skip
 
 
 def check_same_code(commits: Sequence[str], repo: Path) -> None:

@@ -34,6 +34,8 @@ capability                  what it is for                                      
                             hit sources, events and health per part (:class:`CompositeStore`)
 ``health()``                by node label, True while it serves, False while its         none
                             circuit breaker refuses calls (:class:`HealthStore`)
+``direct_frame_order()``    the block order it converts without a host copy; told the    the layout's
+                            frames' order once (:class:`FrameOrderStore`: canonical)     order
 ==========================  ==========================================================  ===========
 
 The conformance suite :mod:`kvdi.testing.conformance` checks a store against all of this.
@@ -206,6 +208,21 @@ class BatchLookupStore(Protocol):
         ...
 
 
+@runtime_checkable
+class FrameOrderStore(Protocol):
+    """A store that converts the frames it gets and fills into its own stored format (canonical sections), so
+    their block order need not be the layout's; it names the order it converts without a host copy."""
+
+    def direct_frame_order(self) -> str:
+        """The block order whose frames it writes from and reads into as they are (the layout's when no other is
+        cheaper); a staged cache converts into it on the device where it can (:data:`~.staged_order.CONVERTED`)."""
+        ...
+
+    def use_frame_order(self, order: str) -> None:
+        """From now on the frames it gets and fills are in block order ``order`` (told once, at registration)."""
+        ...
+
+
 OPTIONAL_CAPABILITIES: tuple[type, ...] = (
     ReadIntoStore,
     ViewStore,
@@ -219,6 +236,7 @@ OPTIONAL_CAPABILITIES: tuple[type, ...] = (
     CompositeStore,
     HealthStore,
     BatchLookupStore,
+    FrameOrderStore,
 )
 """Every optional capability a store may declare, read by :meth:`StoreCapabilities.of` (``docs/store-backend.md``
 lists the same, a test keeps them equal)."""
@@ -336,6 +354,7 @@ __all__ = [
     "CheckedStore",
     "CompositeStore",
     "EvictingStore",
+    "FrameOrderStore",
     "HealthStore",
     "PlacingStore",
     "PrefetchStore",

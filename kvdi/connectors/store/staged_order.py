@@ -21,10 +21,10 @@ frames stay in the layout's order, and so do the canonical tier's behind it, con
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvdi.connectors.store.copies import OrderedCopies
-from kvdi.connectors.store.protocol import StoreCapabilities
+from kvdi.connectors.store.protocol import FrameOrderStore, StoreCapabilities
 
 if TYPE_CHECKING:
     import torch
@@ -34,21 +34,6 @@ if TYPE_CHECKING:
 
 CONVERTED = ("nhc", "hnc")
 """The one conversion done on the device: a layout's ``nhc`` blocks to a store's ``hnc`` frames (and back)."""
-
-
-@runtime_checkable
-class FrameOrderStore(Protocol):
-    """A store that converts the frames it gets and fills into its own stored format (canonical sections), so
-    their block order need not be the layout's; it names the order it converts without a host copy."""
-
-    def direct_frame_order(self) -> str:
-        """The block order whose frames it writes from and reads into as they are (the layout's when no other is
-        cheaper); a staged cache converts into it on the device where it can (:data:`CONVERTED`)."""
-        ...
-
-    def use_frame_order(self, order: str) -> None:
-        """From now on the frames it gets and fills are in block order ``order`` (told once, at registration)."""
-        ...
 
 
 class BlockPermute(NamedTuple):
