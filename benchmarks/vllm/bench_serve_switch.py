@@ -15,7 +15,11 @@ stores), ``hit`` (vLLM's cache holds every prefix) and ``load`` (vLLM's cache re
 Every pass reads vLLM's engine-side inter-token histogram (``/metrics``) before and after. The ratio kvdi / noop of
 each figure is taken within a round (same server, same prompts, seconds apart); the table gives their geometric
 mean over rounds with its 90 % t interval, and each bar's verdict (``pass`` when the interval's top is at most the
-bar, ``FAIL`` when its bottom is above it, else ``undecided``).
+bar, ``FAIL`` when its bottom is above it, else ``undecided``). ``--multi-turn N`` adds rounds of vLLM's multi-turn
+client (:mod:`.bench_serve_multi_turn`); its bar is judged with ``--pin --engine-on-worker``
+(:mod:`.bench_serve_pin`: vLLM's engine core waits for the worker spinning, so it shares the worker's core and
+leaves the other to the API server and the client), the single-turn bars with ``--pin`` alone
+(``docs/bench-serve-power.md``, round nine).
 """
 
 from __future__ import annotations
