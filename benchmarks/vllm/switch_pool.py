@@ -81,29 +81,29 @@ def check_distinct(paths: Sequence[Path], docs: Sequence[dict[str, Any]]) -> Non
         seen[started] = path
 
 
-def stats_files(doc: dict[str, Any]) -> bool:
-    """Whether a run had kvdi's opt-in stats files on (``--stats-dir``; every run before that flag had them)."""
-    return str(doc.get("args", {}).get("stats_dir", True)) == "True"
+SETUP_FLAGS = (
+    ("stats_dir", True, "ran with kvdi's stats files on", "without", "--stats-dir"),
+    ("engine_on_worker", False, "ran the engine core on the worker's cores", "beside the API server",
+     "--engine-on-worker"),
+)  # fmt: skip
+"""What makes two runs different setups: ``(args key, its value in runs from before the flag, what a run with it
+on did, what one with it off did, the flag)``. kvdi's stats files (every run before ``--stats-dir`` had them) cost
+their writer threads' CPU; the engine core beside the API server and the client, or on the worker's cores (no run
+before ``--engine-on-worker`` was), decides whose core its spinning wait takes."""
 
 
-def engine_on_worker(doc: dict[str, Any]) -> bool:
-    """Whether a pinned run put vLLM's engine core on the worker's cores (``--engine-on-worker``; no run before that
-    flag did)."""
-    return str(doc.get("args", {}).get("engine_on_worker", False)) == "True"
+def setup_flag(doc: dict[str, Any], key: str, before: bool) -> bool:
+    """Whether a run had the setup flag ``key`` on (``before`` for runs from before the flag existed)."""
+    return str(doc.get("args", {}).get(key, before)) == "True"
 
 
 def check_same_setup(paths: Sequence[Path], docs: Sequence[dict[str, Any]]) -> None:
-    """PoolError when the runs differ in kvdi's stats files (on costs their writer threads' CPU: another setup) or
-    in where the engine core ran (beside the API server and the client, or on the worker's cores)."""
-    on = [stats_files(doc) for doc in docs]
-    if len(set(on)) > 1:
-        raise PoolError(f"{paths[on.index(True)]} ran with kvdi's stats files on, {paths[on.index(False)]} without "
-                        "(--stats-dir): not the same setup")  # fmt: skip
-    placed = [engine_on_worker(doc) for doc in docs]
-    if len(set(placed)) > 1:
-        on_worker, beside = paths[placed.index(True)], paths[placed.index(False)]
-        raise PoolError(f"{on_worker} ran the engine core on the worker's cores, {beside} beside the API server "
-                        "(--engine-on-worker): not the same setup")  # fmt: skip
+    """PoolError when the runs differ in any of :data:`SETUP_FLAGS`."""
+    for key, before, with_it, without_it, flag in SETUP_FLAGS:
+        on = [setup_flag(doc, key, before) for doc in docs]
+        if len(set(on)) > 1:
+            raise PoolError(f"{paths[on.index(True)]} {with_it}, {paths[on.index(False)]} {without_it} ({flag}): "
+                            "not the same setup")  # fmt: skip
 
 
 def check_same_code(commits: Sequence[str], repo: Path) -> None:

@@ -238,8 +238,9 @@ OPTIONAL_CAPABILITIES: tuple[type, ...] = (
     BatchLookupStore,
     FrameOrderStore,
 )
-"""Every optional capability a store may declare, read by :meth:`StoreCapabilities.of` (``docs/store-backend.md``
-lists the same, a test keeps them equal)."""
+"""Every optional capability a store may declare, read by :meth:`StoreCapabilities.of` but for two:
+:class:`BatchLookupStore` (the background lookups, :mod:`.lookups`) and :class:`FrameOrderStore` (at registration,
+:mod:`.staged_order`). ``docs/store-backend.md`` lists the same; a test keeps them equal."""
 
 
 @dataclass(frozen=True)
