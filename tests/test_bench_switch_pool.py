@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.vllm.switch_pool import PoolError, check_same_code, load_run, main, pooled
+from benchmarks.vllm.switch_pool import PoolError, check_same_code, check_same_setup, load_run, main, pooled
 
 
 def _pass(itl: float, stalls: bool = True) -> dict[str, float]:
@@ -131,3 +131,22 @@ def test_a_run_that_cannot_be_pooled_is_one_line_and_exit_2(tmp_path: Path, caps
         err.count("\n") == 1
         and f"{moved} ran the engine core on the worker's cores, {one} beside the API server" in err
     )
+
+
+def test_runs_of_another_workload_are_not_pooled(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = {"prompts": "32", "output_len": "128", "settle_s": "1.0", "reserved_cpus": "1", "pin": "True"}
+    first = {**_run("null", [2.0, 2.1]), "started": "2026-12-06T07:00:00Z", "args": args}
+    second = {**_run("null", [2.2, 1.9]), "started": "2026-12-06T08:00:00Z", "args": args}
+    paths = [_write(tmp_path / f"{name}.txt", f"# {name}: main at 1234abc", doc)
+             for name, doc in (("first", first), ("second", second))]  # fmt: skip
+    check_same_setup(paths, [first, second])  # the same arguments: pooled
+    for key, value in (("prompts", "64"), ("pin", "False"), ("output_len", "256")):
+        longer = {**second, "args": {**args, key: value}}
+        more = _write(tmp_path / "more.txt", "# more: main at 1234abc", longer)
+        assert main([str(paths[0]), str(more)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"first.txt ran with {key} {args[key]}, " in err
+        assert f"more.txt with {key} {value}: not the same workload" in err
+    unrecorded = {**second, "args": {k: v for k, v in args.items() if k != "settle_s"}}
+    with pytest.raises(PoolError, match="with settle_s not recorded: not the same workload"):
+        check_same_setup(paths, [first, unrecorded])

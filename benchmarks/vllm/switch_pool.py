@@ -10,8 +10,8 @@ runs that measured the same code can therefore be pooled. A run is taken only wh
 
 - it is a results file of the benchmark (``benchmarks/results/*.txt``: a first line naming the commit, ``main at
   <sha>``, and the run's JSON), and the commits of all the runs have the same ``kvdi/`` and the same switch
-  connector (``git diff``: anything else, the benchmark's reporting included, may differ), and no other file holds
-  the same run (its start time);
+  connector (``git diff``: anything else, the benchmark's reporting included, may differ), the same workload and
+  setup (:data:`WORKLOAD`, :data:`SETUP_FLAGS`), and no other file holds the same run (its start time);
 - its passes carry the stall rule's counts (round six on): earlier runs kept vLLM's stalled passes, which move a
   round's ratio by as much as the bars.
 
@@ -97,13 +97,24 @@ def setup_flag(doc: dict[str, Any], key: str, before: bool) -> bool:
     return str(doc.get("args", {}).get(key, before)) == "True"
 
 
+WORKLOAD = ("prompts", "output_len", "settle_s", "reserved_cpus", "pin")
+"""The run's arguments that set what a pass runs and where (``args``, as the run recorded them): a round of 64
+prompts, or of servers not pinned, is another measurement, so runs pool only when every one of these is the same."""
+
+
 def check_same_setup(paths: Sequence[Path], docs: Sequence[dict[str, Any]]) -> None:
-    """PoolError when the runs differ in any of :data:`SETUP_FLAGS`."""
+    """PoolError when the runs differ in any of :data:`SETUP_FLAGS` or :data:`WORKLOAD`."""
     for key, before, with_it, without_it, flag in SETUP_FLAGS:
         on = [setup_flag(doc, key, before) for doc in docs]
         if len(set(on)) > 1:
             raise PoolError(f"{paths[on.index(True)]} {with_it}, {paths[on.index(False)]} {without_it} ({flag}): "
                             "not the same setup")  # fmt: skip
+    for key in WORKLOAD:
+        values = [str(doc.get("args", {}).get(key, "not recorded")) for doc in docs]
+        other = next((i for i, value in enumerate(values) if value != values[0]), None)
+        if other is not None:
+            raise PoolError(f"{paths[0]} ran with {key} {values[0]}, {paths[other]} with {key} {values[other]}: "
+                            "not the same workload")  # fmt: skip
 
 
 def check_same_code(commits: Sequence[str], repo: Path) -> None:
