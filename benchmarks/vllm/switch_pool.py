@@ -92,9 +92,14 @@ their writer threads' CPU; the engine core beside the API server and the client,
 before ``--engine-on-worker`` was), decides whose core its spinning wait takes."""
 
 
+def recorded(doc: dict[str, Any], key: str, missing: object) -> str:
+    """The run's argument ``key`` as its ``args`` recorded it (``missing`` where they did not)."""
+    return str(doc.get("args", {}).get(key, missing))
+
+
 def setup_flag(doc: dict[str, Any], key: str, before: bool) -> bool:
     """Whether a run had the setup flag ``key`` on (``before`` for runs from before the flag existed)."""
-    return str(doc.get("args", {}).get(key, before)) == "True"
+    return recorded(doc, key, before) == "True"
 
 
 WORKLOAD = ("prompts", "output_len", "settle_s", "reserved_cpus", "pin")
@@ -110,7 +115,7 @@ def check_same_setup(paths: Sequence[Path], docs: Sequence[dict[str, Any]]) -> N
             raise PoolError(f"{paths[on.index(True)]} {with_it}, {paths[on.index(False)]} {without_it} ({flag}): "
                             "not the same setup")  # fmt: skip
     for key in WORKLOAD:
-        values = [str(doc.get("args", {}).get(key, "not recorded")) for doc in docs]
+        values = [recorded(doc, key, "not recorded") for doc in docs]
         other = next((i for i, value in enumerate(values) if value != values[0]), None)
         if other is not None:
             raise PoolError(f"{paths[0]} ran with {key} {values[0]}, {paths[other]} with {key} {values[other]}: "
