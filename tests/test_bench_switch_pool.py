@@ -147,6 +147,10 @@ def test_runs_of_another_workload_are_not_pooled(tmp_path: Path, capsys: pytest.
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"first.txt ran with {key} {args[key]}, " in err
         assert f"more.txt with {key} {value}: not the same workload" in err
+    sliced = {**second, "args": {**args, "slices": 4}}  # runs from before --slices were unsliced: 1
+    with pytest.raises(PoolError, match="first.txt ran with slices 1, .*second.txt with slices 4: not the same work"):
+        check_same_setup(paths, [first, sliced])
+    check_same_setup(paths, [first, {**second, "args": {**args, "slices": 1}}])
     unrecorded = {**second, "args": {k: v for k, v in args.items() if k != "settle_s"}}
     with pytest.raises(PoolError, match="with settle_s not recorded: not the same workload"):
         check_same_setup(paths, [first, unrecorded])

@@ -38,10 +38,11 @@ from typing import Any
 
 from benchmarks.vllm import bench_serve as serve
 from benchmarks.vllm.bench_serve_pooled import bar, interval_cell, judge
+from benchmarks.vllm.bench_serve_slices import FIGURES, Measured, merge, plan, slice_seed
+from benchmarks.vllm.bench_serve_slices import figures as pass_figures
 from benchmarks.vllm.bench_serve_stats import (
     counter_totals,
     histogram_delta,
-    histogram_quantiles,
     itl_histogram,
     repeat_interval,
 )
@@ -52,7 +53,6 @@ from tests.real_vllm.vllm_support import make_tiny_llama
 CONFIGS = serve.KVDI_CONFIGS
 MODES = ("noop", "kvdi")
 """The switch's modes (:mod:`.switch_connector`, which imports vLLM: this module does not)."""
-FIGURES = ("server ITL p50", "server ITL p90", "server ITL mean", "TTFT p50", "TTFT p90")
 SWITCH = {"kv_connector": "SwitchConnector", "kv_connector_module_path": "benchmarks.vllm.switch_connector"}
 
 
@@ -141,9 +141,10 @@ def process_cpu(folder: Path) -> dict[str, tuple[float, float]]:
     return {report.get("role") or str(pid): thread_cpu_ms(pid) for pid, report in reports(folder).items()}
 
 
-def one_pass(server: serve.Server, argv: list[str], settle_s: float, folder: Path) -> dict[str, float]:
+def one_pass(server: serve.Server, argv: list[str], settle_s: float, folder: Path) -> Measured:
     """One client pass: the server's ITL quantiles and mean and the client's TTFT (ms), plus what kvdi counted
-    (``kvdi <counter>``) and the CPU ms its processes spent (``cpu <role> main|threads``) during the pass."""
+    (``kvdi <counter>``) and the CPU ms its processes spent (``cpu <role> main|threads``) during the pass; with the
+    pass's histogram and TTFTs (:func:`.bench_serve_slices.merge` pools them)."""
     time.sleep(settle_s)  # background saves of the previous pass done
     text = server.metrics_text()
     before, counted = itl_histogram(text), kvdi_counters(text)
@@ -152,14 +153,13 @@ def one_pass(server: serve.Server, argv: list[str], settle_s: float, folder: Pat
     time.sleep(0.2)  # the API server records the last outputs' stats
     text = server.metrics_text()
     hist = histogram_delta(before, itl_histogram(text))
-    p50, p90 = histogram_quantiles(hist)
-    mean = hist["sum"] / hist["count"] * 1e3 if hist.get("count") else float("nan")
-    figures = (p50, p90, mean, float(result["median_ttft_ms"]), float(result["p90_ttft_ms"]))
-    out = dict(zip(FIGURES, figures, strict=True)) | {"completed": float(result["completed"])}
+    errors = result.get("errors") or [""] * len(result["ttfts"])
+    ttfts = [float(t) * 1e3 for t, error in zip(result["ttfts"], errors, strict=True) if not error]
+    out = pass_figures(hist, ttfts) | {"completed": float(result["completed"])}
     out["client ITL p50"] = float(result["median_itl_ms"])
     moved = histogram_delta(counted, kvdi_counters(text))
     out |= {f"kvdi {k}": v for k, v in sorted(moved.items()) if v}
-    return out | cpu_spent(cpu, process_cpu(folder))
+    return Measured(out | cpu_spent(cpu, process_cpu(folder)), hist, ttfts)
 
 
 def cpu_spent(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
@@ -188,7 +188,7 @@ def stalled(figures: dict[str, float]) -> bool:
 
 def unstalled_pass(
     server: serve.Server, argv: list[str], args: argparse.Namespace, folder: Path, phase: str, name: str
-) -> dict[str, float]:
+) -> Measured:
     """:func:`one_pass` of ``phase`` (vLLM's prefix cache reset first for ``cold`` and ``load``), run again while it
     stalled (:func:`stalled`), at most :data:`MAX_STALLS` times; ``stalls`` counts the passes run again. A store's
     ``cold`` pass is never run again (its store then holds the prompts: it would be another pass)."""
@@ -196,9 +196,11 @@ def unstalled_pass(
     while True:
         if phase in ("cold", "load") and not server.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache refused")
-        figures = one_pass(server, argv, args.settle_s, folder)
+        measured = one_pass(server, argv, args.settle_s, folder)
+        figures = measured.figures
         if not stalled(figures) or stalls >= MAX_STALLS or (phase == "cold" and name != "null"):
-            return figures | {"stalls": float(stalls), "stalled": float(stalled(figures))}
+            measured.figures = figures | {"stalls": float(stalls), "stalled": float(stalled(figures))}
+            return measured
         stalls += 1
         print(f"  {name} {phase}: stalled (client ITL p50 {figures['client ITL p50']:.3f} ms), run again",
               file=sys.stderr)  # fmt: skip
@@ -218,24 +220,50 @@ def serve_switched(name: str, args: argparse.Namespace, work: Path, redis_url: s
         server.wait_ready()
         serve.run_client(serve.client_args("random", 4, 8, 10_000, args.model, server.url))  # warm-up
         for r in range(args.rounds):
-            argv = serve.client_args("prefix_repetition", 4, args.prompts, 1000 + r, args.model, server.url,
-                                     args.output_len)  # fmt: skip
-            modes = MODES if r % 2 == 0 else MODES[::-1]
-            row: dict[str, dict[str, dict[str, float]]] = {}
-            for mode in modes:
-                switch_to(mode, folder, settle_s=args.settle_s)
-                passes = {}
-                for phase in serve.PASSES:
-                    passes[phase] = unstalled_pass(server, argv, args, folder, phase, name)
-                    fig = passes[phase]
-                    print(f"  {name} r{r} {mode:4s} {phase:4s} " + " ".join(f"{k} {v:.3f}" for k, v in fig.items()),
-                          file=sys.stderr)  # fmt: skip
-                row[mode] = passes
-            rounds.append(row)
+            rounds.append((sliced_round if args.slices > 1 else whole_round)(server, args, folder, name, r))
         times = final_hook_times(folder)
     finally:
         server.stop()
     return {"config": name, "rounds": rounds, "hook_times": times}
+
+
+def show(name: str, r: int, mode: str, phase: str, fig: dict[str, float], where: str = "") -> None:
+    print(f"  {name} r{r}{where} {mode:4s} {phase:4s} " + " ".join(f"{k} {v:.3f}" for k, v in fig.items()),
+          file=sys.stderr)  # fmt: skip
+
+
+def whole_round(
+    server: serve.Server, args: argparse.Namespace, folder: Path, name: str, r: int
+) -> dict[str, dict[str, dict[str, float]]]:
+    """One unsliced round: each mode's three passes on all the round's prompts, the modes in ABBA order."""
+    argv = serve.client_args("prefix_repetition", 4, args.prompts, 1000 + r, args.model, server.url, args.output_len)
+    row: dict[str, dict[str, dict[str, float]]] = {}
+    for mode in MODES if r % 2 == 0 else MODES[::-1]:
+        switch_to(mode, folder, settle_s=args.settle_s)
+        row[mode] = {}
+        for phase in serve.PASSES:
+            row[mode][phase] = unstalled_pass(server, argv, args, folder, phase, name).figures
+            show(name, r, mode, phase, row[mode][phase])
+    return row
+
+
+def sliced_round(
+    server: serve.Server, args: argparse.Namespace, folder: Path, name: str, r: int
+) -> dict[str, dict[str, dict[str, float]]]:
+    """One sliced round (:mod:`.bench_serve_slices`): ``--slices`` slices of the round's prompts, each slice's
+    passes in :func:`.bench_serve_slices.plan`'s order; each mode's figures of a phase merged over the slices."""
+    each, now = args.prompts // args.slices, ""
+    passes: dict[tuple[str, str], list[Measured]] = {}
+    for i, mode, phase in plan(r, args.slices, MODES):
+        if mode != now:
+            switch_to(mode, folder, settle_s=args.settle_s)
+            now = mode
+        argv = serve.client_args("prefix_repetition", 4, each, slice_seed(r, i), args.model, server.url,
+                                 args.output_len)  # fmt: skip
+        measured = unstalled_pass(server, argv, args, folder, phase, name)
+        passes.setdefault((mode, phase), []).append(measured)
+        show(name, r, mode, phase, measured.figures, f".{i}")
+    return {mode: {phase: merge(passes[mode, phase]) for phase in serve.PASSES} for mode in MODES}
 
 
 MT_FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "run_s")
@@ -384,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--settle-s", type=float, default=1.0)
+    parser.add_argument("--slices", type=int, default=1, help="slices of a round, modes side by side (1: unsliced)")
     parser.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU (as bench_serve)")
     parser.add_argument("--pin", action="store_true", help="as bench_serve --pin")
     parser.add_argument(
@@ -405,6 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad or args.rounds not in (0, *range(2, 1000)) or args.prompts < 4 or args.multi_turn == 1:
         print(f"--configs/--mt-configs {bad} / --rounds {args.rounds} / --prompts {args.prompts} / --multi-turn "
               f"{args.multi_turn}: allowed {CONFIGS}, 0 or >= 2, >= 4, 0 or >= 2")  # fmt: skip
+        return 2
+    if not 1 <= args.slices <= 16 or args.prompts % args.slices or args.prompts // args.slices < 4:
+        print(f"--slices {args.slices}: allowed 1-16, dividing --prompts ({args.prompts}) into slices of at least 4 "
+              "prompts", file=sys.stderr)  # fmt: skip
         return 2
     if args.engine_on_worker and not args.pin:
         print("--engine-on-worker: places the engine core of a pinned run; allowed only with --pin", file=sys.stderr)

@@ -102,9 +102,14 @@ def setup_flag(doc: dict[str, Any], key: str, before: bool) -> bool:
     return recorded(doc, key, before) == "True"
 
 
-WORKLOAD = ("prompts", "output_len", "settle_s", "reserved_cpus", "pin")
-"""The run's arguments that set what a pass runs and where (``args``, as the run recorded them): a round of 64
-prompts, or of servers not pinned, is another measurement, so runs pool only when every one of these is the same."""
+WORKLOAD = (
+    ("prompts", "not recorded"), ("output_len", "not recorded"), ("settle_s", "not recorded"),
+    ("reserved_cpus", "not recorded"), ("pin", "not recorded"), ("slices", 1),
+)  # fmt: skip
+"""The run's arguments that set what a pass runs and where (``args``, as the run recorded them), each with its value
+in runs from before it was recorded: a round of 64 prompts, of servers not pinned, or of sliced passes
+(:mod:`.bench_serve_slices`; runs from before ``--slices`` were unsliced, 1) is another measurement, so runs pool
+only when every one of these is the same."""
 
 
 def check_same_setup(paths: Sequence[Path], docs: Sequence[dict[str, Any]]) -> None:
@@ -114,8 +119,8 @@ def check_same_setup(paths: Sequence[Path], docs: Sequence[dict[str, Any]]) -> N
         if len(set(on)) > 1:
             raise PoolError(f"{paths[on.index(True)]} {with_it}, {paths[on.index(False)]} {without_it} ({flag}): "
                             "not the same setup")  # fmt: skip
-    for key in WORKLOAD:
-        values = [recorded(doc, key, "not recorded") for doc in docs]
+    for key, missing in WORKLOAD:
+        values = [recorded(doc, key, missing) for doc in docs]
         other = next((i for i, value in enumerate(values) if value != values[0]), None)
         if other is not None:
             raise PoolError(f"{paths[0]} ran with {key} {values[0]}, {paths[other]} with {key} {values[other]}: "
