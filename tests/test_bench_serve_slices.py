@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from benchmarks.vllm.bench_serve_slices import FIGURES, Measured, figures, merge, plan, slice_seed
+from benchmarks.vllm.bench_serve_slices import (
+    FIGURES,
+    Measured,
+    figures,
+    log_sd,
+    main,
+    merge,
+    pair_ratios,
+    plan,
+    slice_seed,
+)
 
 MODES = ("noop", "kvdi")
 
@@ -75,3 +88,39 @@ def test_slices_that_do_not_divide_the_prompts_into_fours_are_one_line_and_exit_
         assert err == [f"--slices {slices}: allowed 1-16, dividing --prompts (32) into slices of at least 4 prompts"]
     assert bench_serve_switch.main(["--rounds", "2", "--slices", "8", "--prompts", "31"]) == 2
     assert capsys.readouterr().err.startswith("--slices 8: allowed 1-16, dividing --prompts (31)")
+
+
+def _line(r: int, i: int, mode: str, phase: str, p50: float) -> str:
+    return (f"  null r{r}.{i} {mode:4s} {phase:4s} server ITL p50 {p50:.3f} server ITL p90 {p50 * 2:.3f} "
+            f"server ITL mean {p50:.3f} TTFT p50 40.000 TTFT p90 50.000 completed 8.000")  # fmt: skip
+
+
+def test_the_spread_of_a_slice_pair_and_of_a_round_come_from_a_results_files_passes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hit = {(0, 0): (4.0, 4.4), (0, 1): (5.0, 5.0), (1, 0): (4.0, 3.6), (1, 1): (5.0, 5.0)}  # noop, kvdi ITL p50
+    lines = [_line(r, i, mode, "hit", v) for (r, i), pair in hit.items() for mode, v in zip(MODES, pair, strict=True)]
+    lines.append(_line(1, 1, "kvdi", "load", 5.0))  # a pass without its neighbour: no pair
+    rounds = [{m: {"hit": dict.fromkeys(FIGURES, v)} for m, v in zip(MODES, pair, strict=True)}
+              for pair in ((9.0, 9.0 * 1.05), (9.0, 9.0 / 1.05))]  # fmt: skip
+    doc = {
+        "benchmark": "bench_serve_switch",
+        "args": {"slices": "2"},
+        "results": [{"config": "null", "rounds": rounds}],
+    }
+    path = tmp_path / "run.txt"
+    path.write_text("\n".join(["# run: main at 1234abc", json.dumps(doc), *lines]))
+    ratios = pair_ratios(path.read_text().splitlines())
+    assert list(ratios) == [("null", "hit")] and ratios["null", "hit"]["p50"] == pytest.approx([1.1, 1.0, 0.9, 1.0])
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    pair, whole = log_sd([1.1, 1.0, 0.9, 1.0]), log_sd([1.05, 1 / 1.05])
+    assert out[1] == (f"  null hit: 4 pairs, 2 rounds of 2; spread of a pair / of a round (a round of independent "
+                      f"pairs): p50 {pair:.1%} / {whole:.1%} ({pair / 2**0.5:.1%}), p90 {pair:.1%} / {whole:.1%} "
+                      f"({pair / 2**0.5:.1%}), mean {pair:.1%} / {whole:.1%} ({pair / 2**0.5:.1%})")  # fmt: skip
+    path.write_text("\n".join(lines))  # the passes without the run's document
+    assert main([str(path)]) == 2
+    assert capsys.readouterr().err == f"{path}: cannot be read as a sliced results file (it holds no " \
+                                      "bench_serve_switch run document)\n"  # fmt: skip
+    path.write_text(json.dumps(doc))  # the document without the passes
+    assert main([str(path)]) == 2 and "holds no sliced passes" in capsys.readouterr().err

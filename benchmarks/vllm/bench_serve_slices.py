@@ -11,13 +11,25 @@ the next, and ``A`` is ``noop`` in every other slice (swapped every round). A re
 mode: the modes flip only while the server is idle. Each mode's figures of a phase are taken over all the round's
 slices together (:func:`merge`): the server's inter-token histograms summed, the client's TTFTs pooled, counters
 and CPU time summed. A store's ``load`` pass loads what its ``cold`` pass of the same slice stored.
+
+Whether slicing helps is measured, not assumed: ``python -m benchmarks.vllm.bench_serve_slices <results file>...``
+(:func:`spread`) reads the per-pass lines a results file keeps and prints, per configuration and pass, how much the
+kvdi / noop ratio of one slice's two neighbouring passes spreads, and how much a round's merged ratio does: were the
+host's slow stretches shorter than a pass, a round of S slices would spread about ``1/sqrt(S)`` as much as a pair.
+Usage (any venv with numpy)::
+
+    python -m benchmarks.vllm.bench_serve_slices benchmarks/results/bench_serve_switch-null-sliced-*.txt
 """
 
 from __future__ import annotations
 
+import json
+import re
 import statistics
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -79,3 +91,77 @@ def slice_seed(round_index: int, slice_index: int) -> int:
     """The client's seed of a slice: its own prompts, the same in both modes, apart from the unsliced rounds'
     (``1000 + round``) and the warm-up's (10 000)."""
     return 100_000 + 100 * round_index + slice_index
+
+
+PASS_LINE = re.compile(
+    r"^  (?P<config>\S+) r(?P<round>\d+)\.(?P<slice>\d+) (?P<mode>noop|kvdi)\s+(?P<phase>cold|hit|load)\s+"
+    r"server ITL p50 (?P<p50>[\d.]+) server ITL p90 (?P<p90>[\d.]+) server ITL mean (?P<mean>[\d.]+)"
+)
+"""A sliced pass as :mod:`.bench_serve_switch` prints it (``  <config> r<round>.<slice> <mode> <phase> ...``)."""
+SPREAD_FIGURES = {"p50": "server ITL p50", "p90": "server ITL p90", "mean": "server ITL mean"}
+
+
+def pair_ratios(lines: Iterable[str]) -> dict[tuple[str, str], dict[str, list[float]]]:
+    """Per (configuration, phase): the kvdi / noop ratio of each slice's two passes, by figure (p50, p90, mean)."""
+    seen: dict[tuple[str, str, str, str], dict[str, dict[str, float]]] = {}
+    for line in lines:
+        m = PASS_LINE.match(line)
+        if m:  # a pass printed twice (it cannot be: reruns print once) would keep its last line
+            key = (m["config"], m["phase"], m["round"], m["slice"])
+            seen.setdefault(key, {})[m["mode"]] = {k: float(m[k]) for k in SPREAD_FIGURES}
+    out: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for (config, phase, _, _), modes in seen.items():
+        if len(modes) == 2:
+            ratios = out.setdefault((config, phase), {k: [] for k in SPREAD_FIGURES})
+            for k in SPREAD_FIGURES:
+                ratios[k].append(modes["kvdi"][k] / modes["noop"][k])
+    return out
+
+
+def log_sd(ratios: Sequence[float]) -> float:
+    """The sample standard deviation of the ratios' logarithms (about the relative spread of one ratio)."""
+    return float(np.log(np.asarray(ratios, dtype=float)).std(ddof=1)) if len(ratios) > 1 else float("nan")
+
+
+def spread(text: str) -> list[str]:
+    """Per configuration and pass of one results file: one slice pair's spread and one round's, in % (log SD), for
+    the server's ITL p50, p90 and mean, beside what a round would spread were its pairs independent."""
+    doc = next((json.loads(x) for x in text.splitlines() if x.startswith('{"benchmark": "bench_serve_switch"')), None)
+    if doc is None:
+        raise ValueError("it holds no bench_serve_switch run document")
+    slices = int(doc.get("args", {}).get("slices", 1))
+    rounds = {r["config"]: r["rounds"] for r in doc.get("results", []) if "rounds" in r}
+    lines = []
+    for (config, phase), ratios in pair_ratios(text.splitlines()).items():
+        kept = rounds.get(config, [])
+        cells = []
+        for short, figure in SPREAD_FIGURES.items():
+            pair = log_sd(ratios[short])
+            whole = log_sd([r["kvdi"][phase][figure] / r["noop"][phase][figure] for r in kept])
+            cells.append(f"{short} {pair:.1%} / {whole:.1%} ({pair / slices**0.5:.1%})")
+        lines.append(f"{config} {phase}: {len(ratios['p50'])} pairs, {len(kept)} rounds of {slices}; spread of a "
+                     "pair / of a round (a round of independent pairs): " + ", ".join(cells))  # fmt: skip
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    paths = [Path(a) for a in (sys.argv[1:] if argv is None else argv)]
+    if not paths:
+        print("usage: python -m benchmarks.vllm.bench_serve_slices <results file>...", file=sys.stderr)
+        return 2
+    for path in paths:
+        try:
+            found = spread(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            print(f"{path}: cannot be read as a sliced results file ({exc!s:.120})", file=sys.stderr)
+            return 2
+        if not found:
+            print(f"{path}: holds no sliced passes (lines '  <config> r<round>.<slice> <mode> <phase> ...')",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        print(f"{path}:", *found, sep="\n  ")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
