@@ -23,7 +23,6 @@ Usage (any venv with numpy)::
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.vllm.bench_serve_stats import histogram_quantiles, histogram_sum
+from benchmarks.vllm.bench_serve_stats import histogram_quantiles, histogram_sum, run_document
 
 FIGURES = ("server ITL p50", "server ITL p90", "server ITL mean", "TTFT p50", "TTFT p90")
 """A pass's figures (ms): the server's inter-token quantiles and mean, the client's time to first token."""
@@ -126,7 +125,7 @@ def log_sd(ratios: Sequence[float]) -> float:
 def spread(text: str) -> list[str]:
     """Per configuration and pass of one results file: one slice pair's spread and one round's, in % (log SD), for
     the server's ITL p50, p90 and mean, beside what a round would spread were its pairs independent."""
-    doc = next((json.loads(x) for x in text.splitlines() if x.startswith('{"benchmark": "bench_serve_switch"')), None)
+    doc = run_document(text.splitlines())
     if doc is None:
         raise ValueError("it holds no bench_serve_switch run document")
     slices = int(doc.get("args", {}).get("slices", 1))

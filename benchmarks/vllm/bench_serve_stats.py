@@ -20,9 +20,11 @@ other processes on the machine than wall-clock latency is.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -225,3 +227,9 @@ def repeat_interval(ratios: Sequence[float]) -> tuple[float, float, float] | Non
     mean, sd = float(logs.mean()), float(logs.std(ddof=1))
     half = T95.get(len(logs) - 1, 1.75) * sd / np.sqrt(len(logs))
     return float(np.exp(mean)), float(np.exp(mean - half)), float(np.exp(mean + half))
+
+
+def run_document(lines: Iterable[str]) -> dict[str, Any] | None:
+    """The ``bench_serve_switch`` run document among a results file's lines (its one-line JSON), None without one;
+    ValueError when that line is not JSON (``switch_pool`` and ``bench_serve_slices`` read results files by it)."""
+    return next((json.loads(x) for x in lines if x.startswith('{"benchmark": "bench_serve_switch"')), None)

@@ -253,14 +253,14 @@ def sliced_round(
     """One sliced round (:mod:`.bench_serve_slices`): ``--slices`` slices of the round's prompts, each slice's
     passes in :func:`.bench_serve_slices.plan`'s order; each mode's figures of a phase merged over the slices."""
     each, now = args.prompts // args.slices, ""
+    argvs = [serve.client_args("prefix_repetition", 4, each, slice_seed(r, i), args.model, server.url, args.output_len)
+             for i in range(args.slices)]  # fmt: skip
     passes: dict[tuple[str, str], list[Measured]] = {}
     for i, mode, phase in plan(r, args.slices, MODES):
         if mode != now:
             switch_to(mode, folder, settle_s=args.settle_s)
             now = mode
-        argv = serve.client_args("prefix_repetition", 4, each, slice_seed(r, i), args.model, server.url,
-                                 args.output_len)  # fmt: skip
-        measured = unstalled_pass(server, argv, args, folder, phase, name)
+        measured = unstalled_pass(server, argvs[i], args, folder, phase, name)
         passes.setdefault((mode, phase), []).append(measured)
         show(name, r, mode, phase, measured.figures, f".{i}")
     return {mode: {phase: merge(passes[mode, phase]) for phase in serve.PASSES} for mode in MODES}

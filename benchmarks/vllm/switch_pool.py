@@ -23,7 +23,6 @@ over every round and the ITL bar's verdict (:func:`.bench_serve_pooled.judge`); 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import subprocess
@@ -34,7 +33,7 @@ from typing import Any
 
 from benchmarks.vllm.bench_serve import PASSES
 from benchmarks.vllm.bench_serve_pooled import bar, interval_cell, judge
-from benchmarks.vllm.bench_serve_stats import repeat_interval
+from benchmarks.vllm.bench_serve_stats import repeat_interval, run_document
 from benchmarks.vllm.bench_serve_switch import MODES, MT_FIGURES
 
 ITL = ("server ITL p50", "server ITL p90")
@@ -57,7 +56,7 @@ def load_run(path: Path) -> tuple[str, dict[str, Any]]:
     if found is None:
         raise PoolError(f"{path}: its first line names no 'main at <sha>': cannot tell which code it measured")
     try:
-        doc = next((json.loads(x) for x in lines if x.startswith('{"benchmark": "bench_serve_switch"')), None)
+        doc = run_document(lines)
         if doc is None:
             raise PoolError(f"{path}: holds no bench_serve_switch run document")
         for result in doc["results"]:
