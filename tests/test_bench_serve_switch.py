@@ -162,3 +162,49 @@ def test_engine_on_worker_without_pin_is_one_line_and_exit_2(capsys: pytest.Capt
     assert bench_serve_switch.main(["--rounds", "0", "--multi-turn", "2", "--engine-on-worker"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["--engine-on-worker: places the engine core of a pinned run; allowed only with --pin"]
+
+
+def _servers(*per_server: list[float]) -> dict[str, Any]:
+    results = [_doc(ratios)["results"][0] | {"server": k} for k, ratios in enumerate(per_server)]
+    return {"minutes": 1.0, "results": results}
+
+
+def test_with_several_servers_the_verdict_rests_on_the_interval_over_servers() -> None:
+    # each server steady within itself (its rounds alone would pass), but the servers disagree: undecided
+    lines = table(_servers([1.0, 1.0, 1.0], [1.06, 1.06, 1.06], [0.97, 0.97, 0.97])).splitlines()
+    assert "null hit (9 rounds, 3 servers)" in "\n".join(lines)
+    over = [line for line in lines if line.startswith("  over servers")]
+    assert len(over) == 3 and all(line.rstrip().endswith("undecided (<= 1.03)") for line in over)
+    assert all(line.rstrip().endswith("over servers") for line in lines if line.startswith("  kvdi null"))
+    # servers that agree decide it, however few rounds each ran
+    lines = table(_servers([1.0], [1.005], [0.995], [1.0])).splitlines()
+    over = [line for line in lines if line.startswith("  over servers")]
+    assert all(line.rstrip().endswith("pass (<= 1.03)") for line in over)
+    assert "1.000 [0.99" in over[0]
+
+
+def test_servers_hook_times_are_one_line_a_run() -> None:
+    doc = _servers([1.0], [1.0])
+    for k, extra in enumerate((40.0, 60.0)):
+        doc["results"][k]["hook_times"] = {
+            "noop": {"scheduler": {"us_per_step": 5.0}, "worker": {"us_per_step": 5.0}},
+            "kvdi": {"scheduler": {"us_per_step": 5.0 + extra}, "worker": {"us_per_step": 5.0}},
+        }
+    hooks = [line for line in table(doc).splitlines() if "inside the switched hooks" in line]
+    assert hooks == ["null: time inside the switched hooks, kvdi - noop, µs a step (scheduler + worker), server by "
+                     "server: +40.0, +60.0; median +50.0"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--rounds", "1"], ["--rounds", "1", "--slices", "3", "--prompts", "12"], ["--rounds", "2", "--servers", "0"],
+     ["--rounds", "2", "--servers", "65"]],
+)  # fmt: skip
+def test_one_round_needs_an_even_slicing_and_servers_are_bounded(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.vllm import bench_serve_switch
+
+    assert bench_serve_switch.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ("--rounds 1" in err[0] or "--servers" in err[0])

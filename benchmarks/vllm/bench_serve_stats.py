@@ -215,8 +215,9 @@ def histogram_sum(hists: Sequence[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-# two-sided 90% Student t quantiles (0.95) by degrees of freedom
-T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
+# two-sided 90% Student t quantiles (0.95) by degrees of freedom; 1.75 (that of 15) above: a little wide past 15
+T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812,
+       11: 1.796, 12: 1.782, 13: 1.771, 14: 1.761}  # fmt: skip
 
 
 def repeat_interval(ratios: Sequence[float]) -> tuple[float, float, float] | None:
@@ -227,6 +228,18 @@ def repeat_interval(ratios: Sequence[float]) -> tuple[float, float, float] | Non
     mean, sd = float(logs.mean()), float(logs.std(ddof=1))
     half = T95.get(len(logs) - 1, 1.75) * sd / np.sqrt(len(logs))
     return float(np.exp(mean)), float(np.exp(mean - half)), float(np.exp(mean + half))
+
+
+def geometric_mean(values: Sequence[float]) -> float:
+    return float(np.exp(np.log(np.asarray(values, dtype=float)).mean()))
+
+
+def server_interval(per_server: Sequence[Sequence[float]]) -> tuple[float, float, float] | None:
+    """The interval over servers: each server's geometric mean of its rounds' ratios taken as one sample
+    (:func:`repeat_interval` of them), None under two servers. Two ``vllm serve`` of the same code differ in the
+    ratio itself by more than a run's interval over its rounds (``docs/bench-serve-power.md``, round eleven), so
+    rounds of several servers are not samples of one quantity: the server is the unit a verdict can rest on."""
+    return repeat_interval([geometric_mean(rounds) for rounds in per_server if rounds])
 
 
 def run_document(lines: Iterable[str]) -> dict[str, Any] | None:

@@ -45,6 +45,7 @@ from benchmarks.vllm.bench_serve_stats import (
     histogram_delta,
     itl_histogram,
     repeat_interval,
+    server_interval,
 )
 from benchmarks.vllm.vllm_cli import patch_version
 from tests.real_vllm.serve_support import model_with_tokenizer
@@ -206,25 +207,28 @@ def unstalled_pass(
               file=sys.stderr)  # fmt: skip
 
 
-def serve_switched(name: str, args: argparse.Namespace, work: Path, redis_url: str) -> dict[str, Any]:
-    """One server of kvdi ``name`` behind the switch; every round's passes in both modes."""
-    store, stats, folder = work / f"store-{name}", work / f"stats-{name}", work / f"switch-{name}"
+def serve_switched(name: str, args: argparse.Namespace, work: Path, redis_url: str, k: int = 0) -> dict[str, Any]:
+    """Server ``k`` of kvdi ``name`` behind the switch (a fresh one for each of ``--servers``, with its own store):
+    its ``--rounds`` rounds' passes in both modes, numbered on from the last server's, so that the modes' order
+    and the prompts go on changing from server to server."""
+    tag = name if k == 0 else f"{name}-{k}"
+    store, stats, folder = work / f"store-{tag}", work / f"stats-{tag}", work / f"switch-{tag}"
     folder.mkdir()
     kv = serve.kv_for(name, store, redis_url, stats if args.stats_dir else None)
     assert kv is not None
     os.environ.update(BENCH_SWITCH_DIR=str(folder), BENCH_SWITCH_START="noop")
-    server = serve.Server(args.model, work / f"serve-{name}.log", {**kv, **SWITCH}, 2048, log_stats=True,
+    server = serve.Server(args.model, work / f"serve-{tag}.log", {**kv, **SWITCH}, 2048, log_stats=True,
                           reserved_cpus=args.reserved_cpus)  # fmt: skip
     rounds: list[dict[str, dict[str, dict[str, float]]]] = []
     try:
         server.wait_ready()
         serve.run_client(serve.client_args("random", 4, 8, 10_000, args.model, server.url))  # warm-up
-        for r in range(args.rounds):
+        for r in range(k * args.rounds, (k + 1) * args.rounds):
             rounds.append((sliced_round if args.slices > 1 else whole_round)(server, args, folder, name, r))
         times = final_hook_times(folder)
     finally:
         server.stop()
-    return {"config": name, "rounds": rounds, "hook_times": times}
+    return {"config": name, "server": k, "rounds": rounds, "hook_times": times}
 
 
 def show(name: str, r: int, mode: str, phase: str, fig: dict[str, float], where: str = "") -> None:
@@ -360,28 +364,40 @@ def pass_work(rounds: list[dict[str, Any]], phase: str) -> list[str]:
 
 def table(doc: dict[str, Any]) -> str:
     """Per configuration and pass: each figure's kvdi / noop ratio within a round, geometric mean [90 % t interval]
-    over rounds, and the ITL bar's verdict (on the p50 and p90 intervals)."""
+    over rounds, and the ITL bar's verdict (on the p50 and p90 intervals); with ``--servers`` above one, the
+    verdict rests on the interval over servers (:func:`.bench_serve_stats.server_interval`) instead."""
     lines = [
         f"vllm serve, kvdi behind the switch, one server per configuration; {doc['minutes']} min; ratios kvdi / noop "
         "within a round (same server, same prompts), geometric mean [90% t interval] over rounds",
     ]
     head = f"{'':28s}" + "".join(f"{f:>24s}" for f in (*FIGURES, "ITL bar"))
+    servers: dict[str, list[dict[str, Any]]] = {}
+    multi: list[str] = []
     for result in doc["results"]:
         if "multi_turn_rounds" in result:
-            lines += mt_table(result) + hook_lines(result)
-            continue
-        name, rounds = result["config"], result["rounds"]
+            multi += mt_table(result) + hook_lines(result)
+        else:
+            servers.setdefault(result["config"], []).append(result)
+    for name, results in servers.items():
+        rounds = [r for result in results for r in result["rounds"]]
         for phase in serve.PASSES:
-            lines += ["", f"{name} {phase} ({len(rounds)} rounds)" + head[len(name) + len(phase) + 12 :]]
+            many = f", {len(results)} servers" if len(results) > 1 else ""
+            lines += ["", f"{name} {phase} ({len(rounds)} rounds{many})" + head[len(name) + len(phase) + 12 :]]
             noop = "".join(f"{statistics.median(r['noop'][phase][f] for r in rounds):>21.3f} ms" for f in FIGURES)
             lines.append(f"{'  noop (absolute, median)':28s}" + noop)
             ratios = {f: [r["kvdi"][phase][f] / r["noop"][phase][f] for r in rounds] for f in FIGURES}
             intervals = {f: repeat_interval(v) for f, v in ratios.items()}
             cells = [interval_cell(x) if x else f"{ratios[f][0]:.3f}" for f, x in intervals.items()]
             limit = bar(name, phase)
-            itl = [intervals["server ITL p50"], intervals["server ITL p90"]]
-            cells.append("-" if limit is None else judge(itl, limit))
+            by_server = {f: server_interval([[r["kvdi"][phase][f] / r["noop"][phase][f] for r in result["rounds"]]
+                                             for result in results]) for f in FIGURES}  # fmt: skip
+            judged = by_server if len(results) > 1 else intervals
+            verdict = "-" if limit is None else judge([judged["server ITL p50"], judged["server ITL p90"]], limit)
+            cells.append(verdict if len(results) == 1 else "over servers")
             lines.append(f"{'  kvdi ' + name:28s}" + "".join(f"{c:>24s}" for c in cells))
+            if len(results) > 1:
+                cells = [interval_cell(x) if x else "-" for x in by_server.values()] + [verdict]
+                lines.append(f"{'  over servers':28s}" + "".join(f"{c:>24s}" for c in cells))
             lines += pass_work(rounds, phase)
             stalls = {m: sum(int(r[m][phase].get("stalls", 0)) for r in rounds) for m in MODES}
             left = {m: sum(int(r[m][phase].get("stalled", 0)) for r in rounds) for m in MODES}
@@ -389,8 +405,24 @@ def table(doc: dict[str, Any]) -> str:
                 lines.append("    passes run again, stalled (client saw whole responses at once): "
                              + ", ".join(f"{m} {stalls[m]}" for m in MODES)
                              + "; kept stalled: " + ", ".join(f"{m} {left[m]}" for m in MODES))  # fmt: skip
-        lines += hook_lines(result)
-    return "\n".join(lines)
+        lines += hook_lines(results[0]) if len(results) == 1 else server_hook_lines(results)
+    return "\n".join(lines + multi)
+
+
+def hook_step_us(result: dict[str, Any], mode: str) -> float:
+    """The µs a step inside ``mode``'s switched hooks, scheduler and worker together."""
+    return float(sum(t["us_per_step"] for t in result["hook_times"][mode].values()))
+
+
+def server_hook_lines(results: list[dict[str, Any]]) -> list[str]:
+    """One line a server: the µs a step kvdi's hooks took over the do-nothing connector's."""
+    timed = [r for r in results if set(r.get("hook_times") or ()) == set(MODES)]
+    extra = [hook_step_us(r, "kvdi") - hook_step_us(r, "noop") for r in timed]
+    if not extra:
+        return []
+    cells = ", ".join(f"{x:+.1f}" for x in extra)
+    return [f"{results[0]['config']}: time inside the switched hooks, kvdi - noop, µs a step (scheduler + worker), "
+            f"server by server: {cells}; median {statistics.median(extra):+.1f}"]  # fmt: skip
 
 
 def hook_lines(result: dict[str, Any]) -> list[str]:
@@ -413,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--settle-s", type=float, default=1.0)
     parser.add_argument("--slices", type=int, default=1, help="slices of a round, modes side by side (1: unsliced)")
+    parser.add_argument("--servers", type=int, default=1, help="fresh servers per configuration, --rounds each")
     parser.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU (as bench_serve)")
     parser.add_argument("--pin", action="store_true", help="as bench_serve --pin")
     parser.add_argument(
@@ -431,9 +464,15 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c for c in args.configs.split(",") if c]
     bad = [c for c in configs if c not in CONFIGS]
     bad += [c for c in args.mt_configs.split(",") if c and c not in CONFIGS]
-    if bad or args.rounds not in (0, *range(2, 1000)) or args.prompts < 4 or args.multi_turn == 1:
+    one_round = args.rounds == 1 and args.slices > 1 and args.slices % 2 == 0  # each mode first in half the slices
+    rounds_ok = args.rounds in (0, *range(2, 1000)) or one_round
+    if bad or not rounds_ok or args.prompts < 4 or args.multi_turn == 1:
         print(f"--configs/--mt-configs {bad} / --rounds {args.rounds} / --prompts {args.prompts} / --multi-turn "
-              f"{args.multi_turn}: allowed {CONFIGS}, 0 or >= 2, >= 4, 0 or >= 2")  # fmt: skip
+              f"{args.multi_turn}: allowed {CONFIGS}, 0 or >= 2 (1 with an even --slices), >= 4, "
+              "0 or >= 2", file=sys.stderr)  # fmt: skip
+        return 2
+    if not 1 <= args.servers <= 64:
+        print(f"--servers {args.servers}: allowed 1-64 fresh servers per configuration", file=sys.stderr)
         return 2
     if not 1 <= args.slices <= 16 or args.prompts % args.slices or args.prompts // args.slices < 4:
         print(f"--slices {args.slices}: allowed 1-16, dividing --prompts ({args.prompts}) into slices of at least 4 "
@@ -469,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         redis = RedisServer().start()
         try:
             for name in configs if args.rounds else ():
-                results.append(serve_switched(name, args, work, redis.url))
+                results += [serve_switched(name, args, work, redis.url, k) for k in range(args.servers)]
             for name in [c for c in args.mt_configs.split(",") if c] if args.multi_turn else ():
                 results.append(serve_multi_turn_switched(name, args, work, redis.url))
         finally:
