@@ -106,7 +106,7 @@ def test_the_spread_of_a_slice_pair_and_of_a_round_come_from_a_results_files_pas
     doc = {
         "benchmark": "bench_serve_switch",
         "args": {"slices": "2"},
-        "results": [{"config": "null", "rounds": rounds}],
+        "results": [{"config": "null", "server": k, "rounds": [r]} for k, r in enumerate(rounds)],  # --servers 2
     }
     path = tmp_path / "run.txt"
     path.write_text("\n".join(["# run: main at 1234abc", json.dumps(doc), *lines]))

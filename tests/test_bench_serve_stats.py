@@ -3,6 +3,7 @@ bootstrap interval and verdict, the server's CPU time from ``/proc``, and the po
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from pathlib import Path
@@ -25,6 +26,8 @@ from benchmarks.vllm.bench_serve_stats import (
     pooled_quantiles,
     ratio_interval,
     repeat_interval,
+    server_interval,
+    server_spread,
     verdict,
 )
 
@@ -206,3 +209,25 @@ def test_the_multi_turn_table_judges_cpu_offload_and_shared_storage_against_noop
     assert lines["cpu_offload"].endswith("pass (<= 1.0)")
     assert lines["shared_storage"].endswith("FAIL (<= 1.0)")
     assert lines["null"].endswith("-")
+
+
+def test_the_interval_over_servers_takes_each_servers_mean_as_one_sample() -> None:
+    e = math.exp
+    per_server = [[e(0.0), e(0.2)], [e(0.1), e(0.3)], [e(0.4)]]  # log means 0.1, 0.2, 0.4
+    centre, low, high = server_interval(per_server) or (0.0, 0.0, 0.0)
+    assert centre == pytest.approx(e((0.1 + 0.2 + 0.4) / 3))
+    sd = math.sqrt(((0.1 - 0.7 / 3) ** 2 + (0.2 - 0.7 / 3) ** 2 + (0.4 - 0.7 / 3) ** 2) / 2)
+    assert high == pytest.approx(e(0.7 / 3 + 2.920 * sd / math.sqrt(3)))  # t with 2 degrees of freedom
+    assert low < centre < high
+    assert server_interval([[1.0, 1.2, 0.9]]) is None  # one server, however many rounds, decides nothing
+
+
+def test_the_spread_within_a_server_and_between_servers_are_told_apart() -> None:
+    e = math.exp
+    # within: deviations of +-0.1 in each server (pooled variance 0.02); means 0.1 and 0.5 (variance 0.08)
+    within, between = server_spread([[e(0.0), e(0.2)], [e(0.4), e(0.6)]]) or (0.0, 0.0)
+    assert within == pytest.approx(math.sqrt(0.02))
+    assert between == pytest.approx(math.sqrt(0.08 - 0.02 / 2))
+    # means as close as the rounds' noise alone would put them: no server effect is left
+    assert server_spread([[e(0.0), e(0.2)], [e(0.1), e(0.3)]]) == (pytest.approx(math.sqrt(0.02)), 0.0)
+    assert server_spread([[1.0], [1.1]]) is None  # no server of two rounds: within cannot be told

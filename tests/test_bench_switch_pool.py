@@ -79,23 +79,37 @@ def test_runs_pool_only_when_their_commits_share_kvdi_and_the_switch_connector(t
         check_same_code([first, "0000000"], repo)
 
 
-def test_the_pooled_interval_covers_every_round_of_every_run_and_judges_the_bar() -> None:
+def test_the_pooled_interval_covers_every_round_of_every_run_and_the_verdict_rests_on_servers() -> None:
     quiet = _run("null", [2.0, 2.02, 1.98, 2.0])  # ratios 1.0, 1.01, 0.99, 1.0
     noisy = _run("null", [2.2, 1.8])  # ratios 1.1, 0.9
     table = pooled([("quiet", quiet), ("noisy", noisy)])
     rows = {line.split()[0]: line for line in table.splitlines() if "rounds" in line and line.startswith("  ")}
-    assert "4 rounds" in rows["quiet"] and "2 rounds" in rows["noisy"] and "6 rounds" in rows["pooled"]
+    assert "4 rounds" in rows["quiet"] and "2 rounds" in rows["noisy"] and "6 rounds" in rows["rounds"]
     hit = table.split("null hit")[1].split("null load")[0]
-    pooled_row = next(line for line in hit.splitlines() if line.strip().startswith("pooled"))
+    pooled_row = next(line for line in hit.splitlines() if line.strip().startswith("rounds pooled"))
     centre = math.exp(sum(math.log(x) for x in (1.0, 1.01, 0.99, 1.0, 1.1, 0.9)) / 6)
-    assert f"{centre:.3f} [" in pooled_row
-    assert "undecided (<= 1.03)" in pooled_row  # the noisy run's rounds widen the interval past the bar
-    quiet_only = pooled([("quiet", quiet), ("again", _run("null", [2.0, 2.01, 1.99, 2.0]))])
-    assert "pass (<= 1.03)" in quiet_only.split("null hit")[1].split("null load")[0]
+    assert f"{centre:.3f} [" in pooled_row and "<=" not in pooled_row  # shown, not judged
+    servers_row = next(line for line in hit.splitlines() if line.strip().startswith("over servers"))
+    assert " 2 servers" in servers_row
+    assert servers_row.rstrip().endswith("pass (<= 1.03)")  # two servers that agree (1.0 and 0.995)
+    spread = next(line for line in hit.splitlines() if line.strip().startswith("SD: a round in its server"))
+    # within: the noisy run's +-0.10 in log (quiet's +-0.01), 4 degrees of freedom: 7.1 %; servers alike: 0
+    assert spread.split()[-3:] == ["7.1%", "/", "0.0%"]
+    # each run steady in its rounds, their servers apart: pooled rounds look narrow, the servers decide nothing
+    apart = pooled([("quiet", quiet), ("high", _run("null", [2.12, 2.13, 2.11, 2.12]))])
+    hit = apart.split("null hit")[1].split("null load")[0]
+    assert next(x for x in hit.splitlines() if "over servers" in x).rstrip().endswith("undecided (<= 1.03)")
     mt = {"benchmark": "bench_serve_switch", "results": [{"config": "cpu_offload", "multi_turn_rounds": [
         {m: {"ttft_p50_ms": 50.0 * k, "ttft_p90_ms": 90.0 * k, "run_s": 8.0 * k} for m, k in (("noop", 1), ("kvdi", 2))}
         for _ in range(3)]}]}  # fmt: skip
-    assert "FAIL (<= 1.0)" in pooled([("mt", mt)]).split("multi-turn cpu_offload")[1]
+    assert "FAIL (<= 1.0)" in pooled([("mt", mt), ("mt2", mt)]).split("multi-turn cpu_offload")[1]
+
+
+def test_a_run_of_several_servers_counts_each_server_once() -> None:
+    run = _run("null", [2.0, 2.0])
+    run["results"] = [run["results"][0] | {"server": k} for k in range(3)]  # 3 servers of 2 rounds
+    hit = pooled([("many", run), ("one", _run("null", [2.0, 2.0]))]).split("null hit")[1].split("null load")[0]
+    assert "many (3 servers)" in hit and " 4 servers" in hit and " 8 rounds" in hit
 
 
 def test_the_hooks_extra_time_is_put_against_the_do_nothing_connectors_step() -> None:
@@ -154,3 +168,15 @@ def test_runs_of_another_workload_are_not_pooled(tmp_path: Path, capsys: pytest.
     unrecorded = {**second, "args": {k: v for k, v in args.items() if k != "settle_s"}}
     with pytest.raises(PoolError, match="with settle_s not recorded: not the same workload"):
         check_same_setup(paths, [first, unrecorded])
+
+
+def test_the_hook_time_of_a_run_of_several_servers_is_their_median_with_its_range() -> None:
+    run = _run("null", [2.0])
+    run["results"] = [run["results"][0] | {"server": k} for k in range(3)]
+    for result, extra in zip(run["results"], (30.0, 44.0, 50.0), strict=True):
+        result["hook_times"] = {
+            "noop": {"worker": {"us_per_step": 10.0}},
+            "kvdi": {"worker": {"us_per_step": 10 + extra}},
+        }
+    line = next(x for x in pooled([("many", run)]).splitlines() if x.strip().startswith("null many"))
+    assert "+44.0 µs a step =  2.00 % of a 2.20 ms step (median of 3 servers, +30.0 to +50.0 µs)" in line

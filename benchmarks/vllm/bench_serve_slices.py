@@ -29,6 +29,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -129,7 +130,9 @@ def spread(text: str) -> list[str]:
     if doc is None:
         raise ValueError("it holds no bench_serve_switch run document")
     slices = int(doc.get("args", {}).get("slices", 1))
-    rounds = {r["config"]: r["rounds"] for r in doc.get("results", []) if "rounds" in r}
+    rounds: dict[str, list[dict[str, Any]]] = {}  # every server's rounds (``--servers``: one result a server)
+    for result in doc.get("results", []):
+        rounds.setdefault(result["config"], []).extend(result.get("rounds", []))
     lines = []
     for (config, phase), ratios in pair_ratios(text.splitlines()).items():
         kept = rounds.get(config, [])

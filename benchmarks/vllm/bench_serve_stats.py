@@ -242,6 +242,21 @@ def server_interval(per_server: Sequence[Sequence[float]]) -> tuple[float, float
     return repeat_interval([geometric_mean(rounds) for rounds in per_server if rounds])
 
 
+def server_spread(per_server: Sequence[Sequence[float]]) -> tuple[float, float] | None:
+    """How much the log ratios spread between rounds of one server and from server to server (one-way random
+    effects, the ANOVA estimate): the within-server SD pooled over servers of two rounds or more, and the
+    between-server SD from the variance of the servers' means less what their rounds' noise explains (0 where that
+    leaves nothing). None without two servers and a server of two rounds."""
+    logs = [np.log(np.asarray(rounds, dtype=float)) for rounds in per_server if len(rounds)]
+    df = sum(len(x) - 1 for x in logs)
+    if len(logs) < 2 or df == 0:
+        return None
+    within = float(sum(((x - x.mean()) ** 2).sum() for x in logs)) / df
+    means = np.array([x.mean() for x in logs])
+    between = float(means.var(ddof=1)) - within * float(np.mean([1 / len(x) for x in logs]))
+    return float(np.sqrt(within)), float(np.sqrt(max(between, 0.0)))
+
+
 def run_document(lines: Iterable[str]) -> dict[str, Any] | None:
     """The ``bench_serve_switch`` run document among a results file's lines (its one-line JSON), None without one;
     ValueError when that line is not JSON (``switch_pool`` and ``bench_serve_slices`` read results files by it)."""

@@ -15,9 +15,12 @@ runs that measured the same code can therefore be pooled. A run is taken only wh
 - its passes carry the stall rule's counts (round six on): earlier runs kept vLLM's stalled passes, which move a
   round's ratio by as much as the bars.
 
-Per configuration and pass: each run's geometric mean and rounds, then the pooled geometric mean [90 % t interval]
-over every round and the ITL bar's verdict (:func:`.bench_serve_pooled.judge`); the multi-turn rounds alike against
-1.0x. A file that cannot be pooled is one line on stderr and exit 2.
+Per configuration and pass: each run's geometric mean and rounds, the geometric mean [90 % t interval] of every round
+pooled, and the one over servers (each server's geometric mean of its rounds one sample,
+:func:`.bench_serve_stats.server_interval`), on which the ITL bar's verdict rests (:func:`.bench_serve_pooled.judge`):
+two servers of the same code differ in the ratio by more than a run's rounds do (``docs/bench-serve-power.md``,
+round eleven), so an interval over pooled rounds is too narrow; a run of ``--servers K`` holds K servers, an earlier
+run one. The multi-turn rounds alike against 1.0x. A file that cannot be pooled is one line on stderr and exit 2.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 
 from benchmarks.vllm.bench_serve import PASSES
 from benchmarks.vllm.bench_serve_pooled import bar, interval_cell, judge
-from benchmarks.vllm.bench_serve_stats import repeat_interval, run_document
+from benchmarks.vllm.bench_serve_stats import repeat_interval, run_document, server_interval, server_spread
 from benchmarks.vllm.bench_serve_switch import MODES, MT_FIGURES
 
 ITL = ("server ITL p50", "server ITL p90")
@@ -141,49 +144,69 @@ def check_same_code(commits: Sequence[str], repo: Path) -> None:
 
 
 def pooled(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
-    """The table: per configuration and pass (then multi-turn), each run's ratios and the pooled interval."""
-    single: dict[tuple[str, str], list[tuple[str, list[dict[str, Any]]]]] = {}
-    multi: dict[str, list[tuple[str, list[dict[str, Any]]]]] = {}
+    """The table: per configuration and pass (then multi-turn), each run's ratios, every round pooled, and the
+    interval over servers that the verdict rests on (:func:`.bench_serve_stats.server_interval`)."""
+    single: dict[tuple[str, str], list[tuple[str, list[list[dict[str, Any]]]]]] = {}
+    multi: dict[str, list[tuple[str, list[list[dict[str, Any]]]]]] = {}
     for name, doc in runs:
+        servers: dict[str, list[list[dict[str, Any]]]] = {}
         for result in doc["results"]:
             if "multi_turn_rounds" in result:
-                multi.setdefault(result["config"], []).append((name, result["multi_turn_rounds"]))
+                multi.setdefault(result["config"], []).append((name, [result["multi_turn_rounds"]]))
             else:
-                for phase in PASSES:
-                    single.setdefault((result["config"], phase), []).append((name, result["rounds"]))
+                servers.setdefault(result["config"], []).append(result["rounds"])
+        for config, rounds in servers.items():
+            for phase in PASSES:
+                single.setdefault((config, phase), []).append((name, rounds))
     lines = ["bench_serve_switch rounds pooled over runs of the same code; kvdi / noop within a round, geometric "
-             "mean [90% t interval]"]  # fmt: skip
+             "mean [90% t interval]; the verdict on the interval over servers (each server's geometric mean one "
+             "sample: servers differ by more than their rounds do)"]  # fmt: skip
     for (config, phase), parts in single.items():
-        per_run = [(name, [{f: r["kvdi"][phase][f] / r["noop"][phase][f] for f in ITL} for r in rounds])
-                   for name, rounds in parts]  # fmt: skip
+        per_run = [(name, [[{f: r["kvdi"][phase][f] / r["noop"][phase][f] for f in ITL} for r in rounds]
+                           for rounds in servers]) for name, servers in parts]  # fmt: skip
         lines += _rows(f"{config} {phase}", ITL, per_run, bar(config, phase))
     lines += _hook_rows(runs)
     for config, parts in multi.items():
-        per_run = [(name, [{f: r["kvdi"][f] / r["noop"][f] for f in MT_FIGURES} for r in rounds])
-                   for name, rounds in parts]  # fmt: skip
+        per_run = [(name, [[{f: r["kvdi"][f] / r["noop"][f] for f in MT_FIGURES} for r in rounds]
+                           for rounds in servers]) for name, servers in parts]  # fmt: skip
         lines += _rows(f"multi-turn {config}", MT_FIGURES, per_run, 1.0)
     return "\n".join(lines)
 
 
-def _rows(title: str, figures: Sequence[str], per_run: list[tuple[str, list[dict[str, float]]]],
+Ratios = dict[str, float]
+
+
+def _rows(title: str, figures: Sequence[str], per_run: list[tuple[str, list[list[Ratios]]]],
           limit: float | None) -> list[str]:  # fmt: skip
-    """A heading, one row per run and the pooled row with its verdict against ``limit``."""
-    every = {f: [ratios[f] for _, rounds in per_run for ratios in rounds] for f in figures}
+    """A heading, one row per run, every round pooled, and the row over servers with its verdict against
+    ``limit``."""
+    servers = [rounds for _, runs in per_run for rounds in runs]
+    every = {f: [ratios[f] for rounds in servers for ratios in rounds] for f in figures}
     lines = ["", f"{title:52s}" + "".join(f"{f:>26s}" for f in figures)]
-    for name, rounds in per_run:
-        lines.append(_row(name, {f: [ratios[f] for ratios in rounds] for f in figures}))
-    verdict = "" if limit is None else "  " + judge([repeat_interval(v) for v in every.values()], limit)
-    lines.append(_row("pooled", every) + verdict)
+    for name, runs in per_run:
+        label = name if len(runs) == 1 else f"{name} ({len(runs)} servers)"
+        lines.append(_row(label, {f: [ratios[f] for rounds in runs for ratios in rounds] for f in figures}))
+    lines.append(_row("rounds pooled", every))
+    over = {f: server_interval([[ratios[f] for ratios in rounds] for rounds in servers]) for f in figures}
+    cells = "".join(f"{interval_cell(x) if x else '-':>26s}" for x in over.values())
+    verdict = "" if limit is None else "  " + judge(list(over.values()), limit)
+    lines.append(f"  {'over servers':40s} {len(servers):2d} servers" + cells + verdict)
+    spreads = {f: server_spread([[ratios[f] for ratios in rounds] for rounds in servers]) for f in figures}
+    if all(spreads.values()):
+        cells = "".join(f"{f'{x[0]:.1%} / {x[1]:.1%}':>26s}" for x in spreads.values() if x)
+        lines.append(f"  {'SD: a round in its server / server':52s}" + cells)
     return lines
 
 
 def _hook_rows(runs: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
     """Per configuration and run: the µs a step that kvdi's hooks take over the do-nothing connector's (scheduler
     plus worker: both are on a step's path), and their share of the do-nothing connector's mean ITL: the cost
-    that the ratios above measure with their noise, accounted for directly."""
+    that the ratios above measure with their noise, accounted for directly. A run of several servers: the median
+    over its servers, with their range."""
     lines = ["", "time inside the switched hooks, kvdi - noop, scheduler + worker, per engine step, and its share of "
              "noop's server ITL mean (median over rounds and passes)"]  # fmt: skip
     for name, doc in runs:
+        timed: dict[str, list[tuple[float, float]]] = {}
         for result in doc["results"]:
             times, rounds = result.get("hook_times"), result.get("rounds")
             if not times or not rounds or set(times) != set(MODES):
@@ -192,9 +215,17 @@ def _hook_rows(runs: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
                 t["us_per_step"] for t in times["noop"].values()
             )
             step_ms = statistics.median(r["noop"][p]["server ITL mean"] for r in rounds for p in r["noop"])
-            label = f"{result['config']} {name}"
+            timed.setdefault(result["config"], []).append((extra, step_ms))
+        for config, servers in timed.items():
+            extra = statistics.median(x for x, _ in servers)
+            step_ms = statistics.median(ms for _, ms in servers)
             share = extra / 10 / step_ms  # µs / (ms * 1000) * 100
-            lines.append(f"  {label:52s} {extra:+7.1f} µs a step = {share:5.2f} % of a {step_ms:.2f} ms step")
+            label = f"{config} {name}"
+            line = f"  {label:52s} {extra:+7.1f} µs a step = {share:5.2f} % of a {step_ms:.2f} ms step"
+            if len(servers) > 1:
+                low, high = min(x for x, _ in servers), max(x for x, _ in servers)
+                line += f" (median of {len(servers)} servers, {low:+.1f} to {high:+.1f} µs)"
+            lines.append(line)
     return lines
 
 
