@@ -236,9 +236,10 @@ def geometric_mean(values: Sequence[float]) -> float:
 
 def server_interval(per_server: Sequence[Sequence[float]]) -> tuple[float, float, float] | None:
     """The interval over servers: each server's geometric mean of its rounds' ratios taken as one sample
-    (:func:`repeat_interval` of them), None under two servers. Two ``vllm serve`` of the same code differ in the
-    ratio itself by more than a run's interval over its rounds (``docs/bench-serve-power.md``, round eleven), so
-    rounds of several servers are not samples of one quantity: the server is the unit a verdict can rest on."""
+    (:func:`repeat_interval` of them), None under two servers. Two ``vllm serve`` of the same code can differ in
+    the ratio itself (on this host by an SD of up to 4 %, :func:`server_spread`; ``docs/bench-serve-power.md``,
+    rounds eleven and twelve), which no number of rounds on one server averages away: the server is the unit a
+    verdict about kvdi, not about one server, can rest on."""
     return repeat_interval([geometric_mean(rounds) for rounds in per_server if rounds])
 
 

@@ -18,9 +18,11 @@ runs that measured the same code can therefore be pooled. A run is taken only wh
 Per configuration and pass: each run's geometric mean and rounds, the geometric mean [90 % t interval] of every round
 pooled, and the one over servers (each server's geometric mean of its rounds one sample,
 :func:`.bench_serve_stats.server_interval`), on which the ITL bar's verdict rests (:func:`.bench_serve_pooled.judge`):
-two servers of the same code differ in the ratio by more than a run's rounds do (``docs/bench-serve-power.md``,
-round eleven), so an interval over pooled rounds is too narrow; a run of ``--servers K`` holds K servers, an earlier
-run one. The multi-turn rounds alike against 1.0x. A file that cannot be pooled is one line on stderr and exit 2.
+two servers of the same code can differ in the ratio itself (``docs/bench-serve-power.md``, rounds eleven and
+twelve), which rounds on one server do not average away, so an interval over pooled rounds can be too narrow; a run
+of ``--servers K`` holds K servers, an earlier run one. Below them, how much a round spreads in its server and from
+server to server (:func:`.bench_serve_stats.server_spread`). The multi-turn rounds alike against 1.0x. A file that
+cannot be pooled is one line on stderr and exit 2.
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ def pooled(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
                 single.setdefault((config, phase), []).append((name, rounds))
     lines = ["bench_serve_switch rounds pooled over runs of the same code; kvdi / noop within a round, geometric "
              "mean [90% t interval]; the verdict on the interval over servers (each server's geometric mean one "
-             "sample: servers differ by more than their rounds do)"]  # fmt: skip
+             "sample: a server's own offset is not averaged away by its rounds)"]  # fmt: skip
     for (config, phase), parts in single.items():
         per_run = [(name, [[{f: r["kvdi"][phase][f] / r["noop"][phase][f] for f in ITL} for r in rounds]
                            for rounds in servers]) for name, servers in parts]  # fmt: skip
