@@ -99,6 +99,8 @@ def test_the_pooled_interval_covers_every_round_of_every_run_and_the_verdict_res
     apart = pooled([("quiet", quiet), ("high", _run("null", [2.12, 2.13, 2.11, 2.12]))])
     hit = apart.split("null hit")[1].split("null load")[0]
     assert next(x for x in hit.splitlines() if "over servers" in x).rstrip().endswith("undecided (<= 1.03)")
+    runs = next(x for x in hit.splitlines() if "over runs" in x)  # each run's mean of its servers' means
+    assert " 2 runs" in runs and f"{math.exp((0 + math.log(1.06)) / 2):.3f} [" in runs and "<=" not in runs
     mt = {"benchmark": "bench_serve_switch", "results": [{"config": "cpu_offload", "multi_turn_rounds": [
         {m: {"ttft_p50_ms": 50.0 * k, "ttft_p90_ms": 90.0 * k, "run_s": 8.0 * k} for m, k in (("noop", 1), ("kvdi", 2))}
         for _ in range(3)]}]}  # fmt: skip

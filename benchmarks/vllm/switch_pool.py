@@ -20,8 +20,10 @@ pooled, and the one over servers (each server's geometric mean of its rounds one
 :func:`.bench_serve_stats.server_interval`), on which the ITL bar's verdict rests (:func:`.bench_serve_pooled.judge`):
 two servers of the same code can differ in the ratio itself (``docs/bench-serve-power.md``, rounds eleven and
 twelve), which rounds on one server do not average away, so an interval over pooled rounds can be too narrow; a run
-of ``--servers K`` holds K servers, an earlier run one. Below them, how much a round spreads in its server and from
-server to server (:func:`.bench_serve_stats.server_spread`). The multi-turn rounds alike against 1.0x. A file that
+of ``--servers K`` holds K servers, an earlier run one. Below them, with two runs or more, the interval over runs
+(each run's geometric mean of its servers' means, unjudged: a run is a window of the host's time, and two windows
+with the same prompts differed beyond their servers, round twelve), and how much a round spreads in its server and
+from server to server (:func:`.bench_serve_stats.server_spread`). The multi-turn rounds alike against 1.0x. A file that
 cannot be pooled is one line on stderr and exit 2.
 """
 
@@ -38,7 +40,13 @@ from typing import Any
 
 from benchmarks.vllm.bench_serve import PASSES
 from benchmarks.vllm.bench_serve_pooled import bar, interval_cell, judge
-from benchmarks.vllm.bench_serve_stats import repeat_interval, run_document, server_interval, server_spread
+from benchmarks.vllm.bench_serve_stats import (
+    geometric_mean,
+    repeat_interval,
+    run_document,
+    server_interval,
+    server_spread,
+)
 from benchmarks.vllm.bench_serve_switch import MODES, MT_FIGURES
 
 ITL = ("server ITL p50", "server ITL p90")
@@ -193,6 +201,12 @@ def _rows(title: str, figures: Sequence[str], per_run: list[tuple[str, list[list
     cells = "".join(f"{interval_cell(x) if x else '-':>26s}" for x in over.values())
     verdict = "" if limit is None else "  " + judge(list(over.values()), limit)
     lines.append(f"  {'over servers':40s} {len(servers):2d} servers" + cells + verdict)
+    if len(per_run) > 1:  # a run is a window of the host's time: runs can differ beyond their servers
+        means = {
+            f: [[geometric_mean([r[f] for r in rounds]) for rounds in runs] for _, runs in per_run] for f in figures
+        }
+        cells = "".join(f"{interval_cell(x) if x else '-':>26s}" for x in (server_interval(v) for v in means.values()))
+        lines.append(f"  {'over runs (unjudged)':40s} {len(per_run):2d} runs   " + cells)
     spreads = {f: server_spread([[ratios[f] for ratios in rounds] for rounds in servers]) for f in figures}
     if all(spreads.values()):
         cells = "".join(f"{f'{x[0]:.1%} / {x[1]:.1%}':>26s}" for x in spreads.values() if x)
