@@ -166,13 +166,14 @@ def test_engine_on_worker_without_pin_is_one_line_and_exit_2(capsys: pytest.Capt
 
 def _servers(*per_server: list[float]) -> dict[str, Any]:
     results = [_doc(ratios)["results"][0] | {"server": k} for k, ratios in enumerate(per_server)]
-    return {"minutes": 1.0, "results": results}
+    return {"minutes": 1.0, "args": {"servers": str(len(per_server))}, "results": results}
 
 
 def test_with_several_servers_the_verdict_rests_on_the_interval_over_servers() -> None:
     # each server steady within itself (its rounds alone would pass), but the servers disagree: undecided
     lines = table(_servers([1.0, 1.0, 1.0], [1.06, 1.06, 1.06], [0.97, 0.97, 0.97])).splitlines()
     assert "null hit (9 rounds, 3 servers)" in "\n".join(lines)
+    assert "3 fresh servers per configuration" in lines[0] and "one server" in table(_doc([1.0, 1.0])).splitlines()[0]
     over = [line for line in lines if line.startswith("  over servers")]
     assert len(over) == 3 and all(line.rstrip().endswith("undecided (<= 1.03)") for line in over)
     assert all(line.rstrip().endswith("over servers") for line in lines if line.startswith("  kvdi null"))

@@ -367,8 +367,8 @@ def table(doc: dict[str, Any]) -> str:
     over rounds, and the ITL bar's verdict (on the p50 and p90 intervals); with ``--servers`` above one, the
     verdict rests on the interval over servers (:func:`.bench_serve_stats.server_interval`) instead."""
     lines = [
-        f"vllm serve, kvdi behind the switch, one server per configuration; {doc['minutes']} min; ratios kvdi / noop "
-        "within a round (same server, same prompts), geometric mean [90% t interval] over rounds",
+        f"vllm serve, kvdi behind the switch, {servers_said(doc)} per configuration; {doc['minutes']} min; ratios "
+        "kvdi / noop within a round (same server, same prompts), geometric mean [90% t interval] over rounds",
     ]
     head = f"{'':28s}" + "".join(f"{f:>24s}" for f in (*FIGURES, "ITL bar"))
     servers: dict[str, list[dict[str, Any]]] = {}
@@ -407,6 +407,12 @@ def table(doc: dict[str, Any]) -> str:
                              + "; kept stalled: " + ", ".join(f"{m} {left[m]}" for m in MODES))  # fmt: skip
         lines += hook_lines(results[0]) if len(results) == 1 else server_hook_lines(results)
     return "\n".join(lines + multi)
+
+
+def servers_said(doc: dict[str, Any]) -> str:
+    """How many servers each configuration ran on (``--servers``; runs from before it: one)."""
+    count = int(doc.get("args", {}).get("servers", 1))
+    return "one server" if count == 1 else f"{count} fresh servers"
 
 
 def hook_step_us(result: dict[str, Any], mode: str) -> float:

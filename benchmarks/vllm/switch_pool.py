@@ -47,7 +47,7 @@ from benchmarks.vllm.bench_serve_stats import (
     server_interval,
     server_spread,
 )
-from benchmarks.vllm.bench_serve_switch import MODES, MT_FIGURES
+from benchmarks.vllm.bench_serve_switch import MODES, MT_FIGURES, hook_step_us
 
 ITL = ("server ITL p50", "server ITL p90")
 CODE = ("kvdi", "benchmarks/vllm/switch_connector.py")
@@ -227,9 +227,7 @@ def _hook_rows(runs: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
             times, rounds = result.get("hook_times"), result.get("rounds")
             if not times or not rounds or set(times) != set(MODES):
                 continue
-            extra = sum(t["us_per_step"] for t in times["kvdi"].values()) - sum(
-                t["us_per_step"] for t in times["noop"].values()
-            )
+            extra = hook_step_us(result, "kvdi") - hook_step_us(result, "noop")
             step_ms = statistics.median(r["noop"][p]["server ITL mean"] for r in rounds for p in r["noop"])
             timed.setdefault(result["config"], []).append((extra, step_ms))
         for config, servers in timed.items():
