@@ -420,10 +420,17 @@ def hook_step_us(result: dict[str, Any], mode: str) -> float:
     return float(sum(t["us_per_step"] for t in result["hook_times"][mode].values()))
 
 
+def hook_extra_us(result: dict[str, Any]) -> float | None:
+    """The µs a step kvdi's switched hooks took over the do-nothing connector's, scheduler and worker together;
+    None where the server did not time both modes."""
+    if set(result.get("hook_times") or ()) != set(MODES):
+        return None
+    return hook_step_us(result, "kvdi") - hook_step_us(result, "noop")
+
+
 def server_hook_lines(results: list[dict[str, Any]]) -> list[str]:
     """One line a server: the µs a step kvdi's hooks took over the do-nothing connector's."""
-    timed = [r for r in results if set(r.get("hook_times") or ()) == set(MODES)]
-    extra = [hook_step_us(r, "kvdi") - hook_step_us(r, "noop") for r in timed]
+    extra = [x for x in map(hook_extra_us, results) if x is not None]
     if not extra:
         return []
     cells = ", ".join(f"{x:+.1f}" for x in extra)

@@ -47,7 +47,7 @@ from benchmarks.vllm.bench_serve_stats import (
     server_interval,
     server_spread,
 )
-from benchmarks.vllm.bench_serve_switch import MODES, MT_FIGURES, hook_step_us
+from benchmarks.vllm.bench_serve_switch import MT_FIGURES, hook_extra_us
 
 ITL = ("server ITL p50", "server ITL p90")
 CODE = ("kvdi", "benchmarks/vllm/switch_connector.py")
@@ -224,10 +224,9 @@ def _hook_rows(runs: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
     for name, doc in runs:
         timed: dict[str, list[tuple[float, float]]] = {}
         for result in doc["results"]:
-            times, rounds = result.get("hook_times"), result.get("rounds")
-            if not times or not rounds or set(times) != set(MODES):
+            extra, rounds = hook_extra_us(result), result.get("rounds")
+            if extra is None or not rounds:
                 continue
-            extra = hook_step_us(result, "kvdi") - hook_step_us(result, "noop")
             step_ms = statistics.median(r["noop"][p]["server ITL mean"] for r in rounds for p in r["noop"])
             timed.setdefault(result["config"], []).append((extra, step_ms))
         for config, servers in timed.items():
