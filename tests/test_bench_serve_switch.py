@@ -196,10 +196,18 @@ def test_servers_hook_times_are_one_line_a_run() -> None:
                      "server: +40.0, +60.0; median +50.0"]  # fmt: skip
 
 
+def test_rounds_are_numbered_on_from_server_to_server_and_from_the_first_round() -> None:
+    from benchmarks.vllm.bench_serve_switch import rounds_of
+
+    assert [list(rounds_of(k, 1)) for k in range(3)] == [[0], [1], [2]]
+    assert [list(rounds_of(k, 2, first_round=14)) for k in range(2)] == [[14, 15], [16, 17]]
+
+
 @pytest.mark.parametrize(
     "argv",
     [["--rounds", "1"], ["--rounds", "1", "--slices", "3", "--prompts", "12"], ["--rounds", "2", "--servers", "0"],
-     ["--rounds", "2", "--servers", "65"]],
+     ["--rounds", "2", "--servers", "65"], ["--rounds", "2", "--first-round", "-1"],
+     ["--rounds", "2", "--first-round", "100001"]],
 )  # fmt: skip
 def test_one_round_needs_an_even_slicing_and_servers_are_bounded(
     argv: list[str], capsys: pytest.CaptureFixture[str]
@@ -208,4 +216,4 @@ def test_one_round_needs_an_even_slicing_and_servers_are_bounded(
 
     assert bench_serve_switch.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and ("--rounds 1" in err[0] or "--servers" in err[0])
+    assert len(err) == 1 and any(name in err[0] for name in ("--rounds 1", "--servers", "--first-round"))

@@ -209,8 +209,9 @@ def unstalled_pass(
 
 def serve_switched(name: str, args: argparse.Namespace, work: Path, redis_url: str, k: int = 0) -> dict[str, Any]:
     """Server ``k`` of kvdi ``name`` behind the switch (a fresh one for each of ``--servers``, with its own store):
-    its ``--rounds`` rounds' passes in both modes, numbered on from the last server's, so that the modes' order
-    and the prompts go on changing from server to server."""
+    its ``--rounds`` rounds' passes in both modes, numbered on from the last server's (the first server's from
+    ``--first-round``), so that the modes' order and the prompts go on changing from server to server and from
+    run to run."""
     tag = name if k == 0 else f"{name}-{k}"
     store, stats, folder = work / f"store-{tag}", work / f"stats-{tag}", work / f"switch-{tag}"
     folder.mkdir()
@@ -223,12 +224,18 @@ def serve_switched(name: str, args: argparse.Namespace, work: Path, redis_url: s
     try:
         server.wait_ready()
         serve.run_client(serve.client_args("random", 4, 8, 10_000, args.model, server.url))  # warm-up
-        for r in range(k * args.rounds, (k + 1) * args.rounds):
+        for r in rounds_of(k, args.rounds, args.first_round):
             rounds.append((sliced_round if args.slices > 1 else whole_round)(server, args, folder, name, r))
         times = final_hook_times(folder)
     finally:
         server.stop()
     return {"config": name, "server": k, "rounds": rounds, "hook_times": times}
+
+
+def rounds_of(k: int, rounds: int, first_round: int = 0) -> range:
+    """The numbers of server ``k``'s rounds: ``rounds`` of them, numbered on from the server before it, the first
+    server's from ``first_round`` (a round's number picks its prompts and which mode goes first)."""
+    return range(first_round + k * rounds, first_round + (k + 1) * rounds)
 
 
 def show(name: str, r: int, mode: str, phase: str, fig: dict[str, float], where: str = "") -> None:
@@ -459,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle-s", type=float, default=1.0)
     parser.add_argument("--slices", type=int, default=1, help="slices of a round, modes side by side (1: unsliced)")
     parser.add_argument("--servers", type=int, default=1, help="fresh servers per configuration, --rounds each")
+    parser.add_argument(
+        "--first-round", type=int, default=0, help="number of the first round (its prompts, its modes' order)"
+    )
     parser.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU (as bench_serve)")
     parser.add_argument("--pin", action="store_true", help="as bench_serve --pin")
     parser.add_argument(
@@ -486,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 1 <= args.servers <= 64:
         print(f"--servers {args.servers}: allowed 1-64 fresh servers per configuration", file=sys.stderr)
+        return 2
+    if not 0 <= args.first_round <= 100_000:
+        print(f"--first-round {args.first_round}: allowed 0-100000 (a later run's rounds numbered on from an earlier "
+              "run's, so that its prompts are new)", file=sys.stderr)  # fmt: skip
         return 2
     if not 1 <= args.slices <= 16 or args.prompts % args.slices or args.prompts // args.slices < 4:
         print(f"--slices {args.slices}: allowed 1-16, dividing --prompts ({args.prompts}) into slices of at least 4 "
