@@ -58,12 +58,19 @@ def _hist(counts: dict[str, float], total_s: float) -> dict[str, float]:
 
 def test_slices_merge_into_one_pass_of_summed_histograms_pooled_ttfts_and_summed_work() -> None:
     fast = Measured(
-        {"completed": 8.0, "client ITL p50": 4.0, "kvdi lookups": 8.0, "cpu worker main": 100.0, "stalls": 1.0},
+        {
+            "completed": 8.0,
+            "client ITL p50": 4.0,
+            "kvdi lookups": 8.0,
+            "cpu worker main": 100.0,
+            "stalls": 1.0,
+            "steal %": 0.5,
+        },
         _hist({"0.004": 90.0, "0.008": 10.0}, 0.4),
         [10.0, 20.0],
     )
     slow = Measured(
-        {"completed": 8.0, "client ITL p50": 8.0, "cpu worker main": 300.0, "stalls": 0.0},
+        {"completed": 8.0, "client ITL p50": 8.0, "cpu worker main": 300.0, "stalls": 0.0, "steal %": 3.0},
         _hist({"0.004": 0.0, "0.008": 100.0}, 0.8),
         [30.0, 40.0],
     )
@@ -74,7 +81,9 @@ def test_slices_merge_into_one_pass_of_summed_histograms_pooled_ttfts_and_summed
     assert out["TTFT p50"] == pytest.approx(25.0) and out["TTFT p90"] == pytest.approx(37.0)
     assert out["completed"] == 16.0 and out["kvdi lookups"] == 8.0 and out["cpu worker main"] == 400.0
     assert out["stalls"] == 1.0 and out["client ITL p50"] == 6.0 and out["slices"] == 2.0
-    assert set(out) == {*FIGURES, "completed", "client ITL p50", "kvdi lookups", "cpu worker main", "stalls", "slices"}
+    assert out["steal %"] == 3.0  # the worst slice's
+    assert set(out) == {*FIGURES, "completed", "client ITL p50", "kvdi lookups", "cpu worker main", "stalls", "slices",
+                        "steal %"}  # fmt: skip
 
 
 def test_slices_that_do_not_divide_the_prompts_into_fours_are_one_line_and_exit_2(

@@ -17,6 +17,7 @@ from benchmarks.vllm.bench_serve_switch import (
     MT_FIGURES,
     hook_times,
     kvdi_counters,
+    run_again,
     stalled,
     table,
     thread_cpu_ms,
@@ -141,6 +142,32 @@ def test_a_pass_is_stalled_when_its_client_got_whole_responses_and_the_table_cou
     assert hit[3].startswith("    kvdi per pass (median): worker main 1250, kvdi lookups 16")  # median of 2500, 0
 
 
+def test_a_pass_runs_again_when_stalled_or_stolen_a_bounded_number_of_times_and_never_a_stores_cold_one() -> None:
+    quiet, stolen = {"client ITL p50": 5.0, "steal %": 1.0}, {"client ITL p50": 5.0, "steal %": 12.0}
+    both = {"client ITL p50": 0.003, "steal %": 30.0}
+    assert run_again(quiet, 0, 0, 5.0, "hit", "redis") is None
+    assert run_again(stolen, 0, 0, 5.0, "hit", "redis") == "stolen"
+    assert run_again(stolen, 0, 0, 15.0, "hit", "redis") is None  # within a looser bound
+    assert run_again(stolen, 0, 4, 5.0, "hit", "redis") is None  # MAX_STOLEN reruns spent: kept, counted
+    assert run_again(both, 0, 0, 5.0, "load", "redis") == "stalled"
+    assert run_again(both, 4, 0, 5.0, "load", "redis") == "stolen"
+    assert run_again(both, 0, 0, 5.0, "cold", "redis") is None  # the store holds the prompts now
+    assert run_again(both, 0, 0, 5.0, "cold", "null") == "stalled"  # null stores nothing
+    assert run_again({"client ITL p50": 5.0}, 0, 0, 5.0, "hit", "null") is None  # a pass that read no steal
+
+
+def test_the_table_gives_each_modes_steal_and_the_passes_run_again_for_it() -> None:
+    doc = _doc([1.0, 1.0])
+    assert not any("host steal" in line for line in table(doc).splitlines())  # runs from before: no line
+    rounds = doc["results"][0]["rounds"]
+    for r, (noop, kvdi) in zip(rounds, [(0.5, 2.0), (1.5, 7.0)], strict=True):
+        r["noop"]["hit"] |= {"steal %": noop, "stolen": 1.0}
+        r["kvdi"]["hit"] |= {"steal %": kvdi, "stolen": 0.0, "stolen kept": float(kvdi > 5)}
+    steal = [line for line in table(doc).splitlines() if "host steal" in line]
+    assert steal == ["    host steal %, median over rounds: noop 1.0 (most 1.5), kvdi 4.5 (most 7.0); passes run "
+                     "again for it: noop 2, kvdi 0; kept over the bound: noop 0, kvdi 1"]  # fmt: skip
+
+
 def test_a_multi_turn_run_without_the_clients_modules_is_one_line_and_exit_2_before_any_server(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -207,7 +234,8 @@ def test_rounds_are_numbered_on_from_server_to_server_and_from_the_first_round()
     "argv",
     [["--rounds", "1"], ["--rounds", "1", "--slices", "3", "--prompts", "12"], ["--rounds", "2", "--servers", "0"],
      ["--rounds", "2", "--servers", "65"], ["--rounds", "2", "--first-round", "-1"],
-     ["--rounds", "2", "--first-round", "100001"]],
+     ["--rounds", "2", "--first-round", "100001"], ["--rounds", "2", "--max-steal", "-1"],
+     ["--rounds", "2", "--max-steal", "101"], ["--rounds", "2", "--steal-wait-s", "3601"]],
 )  # fmt: skip
 def test_one_round_needs_an_even_slicing_and_servers_are_bounded(
     argv: list[str], capsys: pytest.CaptureFixture[str]
@@ -216,4 +244,4 @@ def test_one_round_needs_an_even_slicing_and_servers_are_bounded(
 
     assert bench_serve_switch.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and any(name in err[0] for name in ("--rounds 1", "--servers", "--first-round"))
+    assert len(err) == 1 and any(name in err[0] for name in ("--rounds 1", "--servers", "--first-round", "--max-steal"))

@@ -37,7 +37,7 @@ from benchmarks.vllm.bench_serve_stats import histogram_quantiles, histogram_sum
 
 FIGURES = ("server ITL p50", "server ITL p90", "server ITL mean", "TTFT p50", "TTFT p90")
 """A pass's figures (ms): the server's inter-token quantiles and mean, the client's time to first token."""
-SUMMED = ("completed", "stalls", "stalled")
+SUMMED = ("completed", "stalls", "stalled", "stolen", "stolen kept")
 SUMMED_PREFIXES = ("kvdi ", "cpu ")
 """What a merged pass adds up over its slices: requests, reruns, and kvdi's counters and CPU ms."""
 
@@ -64,7 +64,7 @@ def figures(hist: dict[str, float], ttfts_ms: Sequence[float]) -> dict[str, floa
 def merge(passes: Sequence[Measured]) -> dict[str, float]:
     """The figures of several passes of one mode and phase taken together: :func:`figures` of the summed histograms
     and pooled TTFTs; :data:`SUMMED` and kvdi's counters and CPU ms summed; the client's ITL median, by which a
-    pass was judged stalled, is the median of the passes'."""
+    pass was judged stalled, is the median of the passes'; the host's steal (%), the most any pass met."""
     hist = histogram_sum([p.hist for p in passes])
     out = figures(hist, [t for p in passes for t in p.ttfts_ms])
     keys = sorted({k for p in passes for k in p.figures if k in SUMMED or k.startswith(SUMMED_PREFIXES)})
@@ -72,6 +72,9 @@ def merge(passes: Sequence[Measured]) -> dict[str, float]:
     client = [p.figures["client ITL p50"] for p in passes if "client ITL p50" in p.figures]
     if client:
         out["client ITL p50"] = statistics.median(client)
+    steal = [p.figures["steal %"] for p in passes if "steal %" in p.figures]
+    if steal:
+        out["steal %"] = max(steal)
     return out | {"slices": float(len(passes))}
 
 

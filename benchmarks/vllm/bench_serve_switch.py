@@ -47,6 +47,7 @@ from benchmarks.vllm.bench_serve_stats import (
     repeat_interval,
     server_interval,
 )
+from benchmarks.vllm.host_steal import cpu_jiffies, steal_pct, wait_quiet
 from benchmarks.vllm.vllm_cli import patch_version
 from tests.real_vllm.serve_support import model_with_tokenizer
 from tests.real_vllm.vllm_support import make_tiny_llama
@@ -145,12 +146,15 @@ def process_cpu(folder: Path) -> dict[str, tuple[float, float]]:
 def one_pass(server: serve.Server, argv: list[str], settle_s: float, folder: Path) -> Measured:
     """One client pass: the server's ITL quantiles and mean and the client's TTFT (ms), plus what kvdi counted
     (``kvdi <counter>``) and the CPU ms its processes spent (``cpu <role> main|threads``) during the pass; with the
-    pass's histogram and TTFTs (:func:`.bench_serve_slices.merge` pools them)."""
+    pass's histogram and TTFTs (:func:`.bench_serve_slices.merge` pools them), and the host's steal (%) while the
+    client ran (:mod:`.host_steal`)."""
     time.sleep(settle_s)  # background saves of the previous pass done
     text = server.metrics_text()
     before, counted = itl_histogram(text), kvdi_counters(text)
     cpu = process_cpu(folder)
+    host = cpu_jiffies()
     result = serve.run_client(argv)
+    steal = steal_pct(host, cpu_jiffies())
     time.sleep(0.2)  # the API server records the last outputs' stats
     text = server.metrics_text()
     hist = histogram_delta(before, itl_histogram(text))
@@ -158,6 +162,7 @@ def one_pass(server: serve.Server, argv: list[str], settle_s: float, folder: Pat
     ttfts = [float(t) * 1e3 for t, error in zip(result["ttfts"], errors, strict=True) if not error]
     out = pass_figures(hist, ttfts) | {"completed": float(result["completed"])}
     out["client ITL p50"] = float(result["median_itl_ms"])
+    out["steal %"] = steal
     moved = histogram_delta(counted, kvdi_counters(text))
     out |= {f"kvdi {k}": v for k, v in sorted(moved.items()) if v}
     return Measured(out | cpu_spent(cpu, process_cpu(folder)), hist, ttfts)
@@ -180,6 +185,8 @@ response to the client whole, at its end (TTFT ~1 s, every gap ~0 ms), with or w
 inter-token latency of that pass drops by ~10 %: a pass stalled in one mode only moves the round's ratio by as
 much as the bars being judged."""
 MAX_STALLS = 4
+MAX_STOLEN = 4
+"""How many times a pass that met more steal than ``--max-steal`` runs again (each time after :func:`.wait_quiet`)."""
 
 
 def stalled(figures: dict[str, float]) -> bool:
@@ -190,21 +197,49 @@ def stalled(figures: dict[str, float]) -> bool:
 def unstalled_pass(
     server: serve.Server, argv: list[str], args: argparse.Namespace, folder: Path, phase: str, name: str
 ) -> Measured:
-    """:func:`one_pass` of ``phase`` (vLLM's prefix cache reset first for ``cold`` and ``load``), run again while it
-    stalled (:func:`stalled`), at most :data:`MAX_STALLS` times; ``stalls`` counts the passes run again. A store's
-    ``cold`` pass is never run again (its store then holds the prompts: it would be another pass)."""
-    stalls = 0
+    """:func:`one_pass` of ``phase`` (vLLM's prefix cache reset first for ``cold`` and ``load``), started on a quiet
+    host (:func:`.host_steal.wait_quiet`: steal at most ``--max-steal``, waiting at most ``--steal-wait-s``), run
+    again while it stalled (:func:`stalled`, at most :data:`MAX_STALLS` times) or met more steal than the bound (at
+    most :data:`MAX_STOLEN` times); ``stalls`` and ``stolen`` count the passes run again, ``stalled`` and ``stolen
+    kept`` whether the pass kept is still so. A store's ``cold`` pass is never run again (its store then holds the
+    prompts: it would be another pass)."""
+    stalls = stolen = 0
     while True:
         if phase in ("cold", "load") and not server.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache refused")
+        wait_quiet(args.max_steal, args.steal_wait_s)
         measured = one_pass(server, argv, args.settle_s, folder)
         figures = measured.figures
-        if not stalled(figures) or stalls >= MAX_STALLS or (phase == "cold" and name != "null"):
-            measured.figures = figures | {"stalls": float(stalls), "stalled": float(stalled(figures))}
+        again = run_again(figures, stalls, stolen, args.max_steal, phase, name)
+        if again is None:
+            measured.figures = figures | {
+                "stalls": float(stalls), "stalled": float(stalled(figures)), "stolen": float(stolen),
+                "stolen kept": float(figures["steal %"] > args.max_steal),
+            }  # fmt: skip
             return measured
-        stalls += 1
-        print(f"  {name} {phase}: stalled (client ITL p50 {figures['client ITL p50']:.3f} ms), run again",
-              file=sys.stderr)  # fmt: skip
+        if again == "stalled":
+            stalls += 1
+            print(f"  {name} {phase}: stalled (client ITL p50 {figures['client ITL p50']:.3f} ms), run again",
+                  file=sys.stderr)  # fmt: skip
+        else:
+            stolen += 1
+            print(f"  {name} {phase}: host steal {figures['steal %']:.1f} % (bound {args.max_steal:g}), run again",
+                  file=sys.stderr)  # fmt: skip
+
+
+def run_again(
+    figures: dict[str, float], stalls: int, stolen: int, max_steal: float, phase: str, name: str
+) -> str | None:
+    """Why a pass runs again: ``stalled`` (:func:`stalled`, fewer than :data:`MAX_STALLS` reruns so far), else
+    ``stolen`` (more steal than ``max_steal`` %, fewer than :data:`MAX_STOLEN` reruns); None to keep it, and always
+    for a store's ``cold`` pass (its store then holds the prompts: a rerun would be another pass)."""
+    if phase == "cold" and name != "null":
+        return None
+    if stalled(figures) and stalls < MAX_STALLS:
+        return "stalled"
+    if figures.get("steal %", 0.0) > max_steal and stolen < MAX_STOLEN:
+        return "stolen"
+    return None
 
 
 def serve_switched(name: str, args: argparse.Namespace, work: Path, redis_url: str, k: int = 0) -> dict[str, Any]:
@@ -412,8 +447,23 @@ def table(doc: dict[str, Any]) -> str:
                 lines.append("    passes run again, stalled (client saw whole responses at once): "
                              + ", ".join(f"{m} {stalls[m]}" for m in MODES)
                              + "; kept stalled: " + ", ".join(f"{m} {left[m]}" for m in MODES))  # fmt: skip
+            lines += steal_lines(rounds, phase)
         lines += hook_lines(results[0]) if len(results) == 1 else server_hook_lines(results)
     return "\n".join(lines + multi)
+
+
+def steal_lines(rounds: list[dict[str, Any]], phase: str) -> list[str]:
+    """The host's steal in ``phase`` (runs from before :mod:`.host_steal` recorded none: no line): each mode's median
+    and most over rounds (a sliced round's figure is its worst slice), and the passes run again for it."""
+    steal = {m: [r[m][phase]["steal %"] for r in rounds if "steal %" in r[m][phase]] for m in MODES}
+    if not all(steal.values()):
+        return []
+    again = {m: sum(int(r[m][phase].get("stolen", 0)) for r in rounds) for m in MODES}
+    kept = {m: sum(int(r[m][phase].get("stolen kept", 0)) for r in rounds) for m in MODES}
+    cells = [f"{m} {statistics.median(v):.1f} (most {max(v):.1f})" for m, v in steal.items()]
+    return ["    host steal %, median over rounds: " + ", ".join(cells) + "; passes run again for it: "
+            + ", ".join(f"{m} {again[m]}" for m in MODES) + "; kept over the bound: "
+            + ", ".join(f"{m} {kept[m]}" for m in MODES)]  # fmt: skip
 
 
 def servers_said(doc: dict[str, Any]) -> str:
@@ -469,6 +519,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--first-round", type=int, default=0, help="number of the first round (its prompts, its modes' order)"
     )
+    parser.add_argument(
+        "--max-steal", type=float, default=5.0, help="%% of host CPU time stolen by the hypervisor a pass may meet"
+    )
+    parser.add_argument(
+        "--steal-wait-s", type=float, default=300.0, help="how long a pass waits for the host's steal to drop"
+    )
     parser.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU (as bench_serve)")
     parser.add_argument("--pin", action="store_true", help="as bench_serve --pin")
     parser.add_argument(
@@ -500,6 +556,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.first_round <= 100_000:
         print(f"--first-round {args.first_round}: allowed 0-100000 (a later run's rounds numbered on from an earlier "
               "run's, so that its prompts are new)", file=sys.stderr)  # fmt: skip
+        return 2
+    if not 0 <= args.max_steal <= 100 or not 0 <= args.steal_wait_s <= 3600:
+        print(f"--max-steal {args.max_steal:g} / --steal-wait-s {args.steal_wait_s:g}: allowed 0-100 % and 0-3600 s",
+              file=sys.stderr)  # fmt: skip
         return 2
     if not 1 <= args.slices <= 16 or args.prompts % args.slices or args.prompts // args.slices < 4:
         print(f"--slices {args.slices}: allowed 1-16, dividing --prompts ({args.prompts}) into slices of at least 4 "
