@@ -219,8 +219,8 @@ def unstalled_pass(
             return measured
         if again == "stalled":
             stalls += 1
-            print(f"  {name} {phase}: stalled (client ITL p50 {figures['client ITL p50']:.3f} ms), run again",
-                  file=sys.stderr)  # fmt: skip
+            print(f"  {name} {phase}: stalled (client ITL p50 {figures['client ITL p50']:.3f} ms, host steal "
+                  f"{figures['steal %']:.1f} %), run again", file=sys.stderr)  # fmt: skip
         else:
             stolen += 1
             print(f"  {name} {phase}: host steal {figures['steal %']:.1f} % (bound {args.max_steal:g}), run again",
