@@ -186,7 +186,8 @@ inter-token latency of that pass drops by ~10 %: a pass stalled in one mode only
 much as the bars being judged."""
 MAX_STALLS = 4
 MAX_STOLEN = 4
-"""How many times a pass that met more steal than ``--max-steal`` runs again (each time after :func:`.wait_quiet`)."""
+"""How many times a pass that met more steal than ``--max-steal`` runs again (each time after
+:func:`.host_steal.wait_quiet`)."""
 
 
 def stalled(figures: dict[str, float]) -> bool:
