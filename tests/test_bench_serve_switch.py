@@ -24,8 +24,11 @@ from benchmarks.vllm.bench_serve_switch import (
 )
 
 
-def _report(folder: Path, pid: int, mode: str, times: dict[str, dict[str, list[int]]]) -> None:
-    (folder / str(pid)).write_text(json.dumps({"pid": pid, "mode": mode, "times": times}))
+def _report(
+    folder: Path, pid: int, mode: str, times: dict[str, dict[str, list[int]]], gc: dict[str, list[int]] | None = None
+) -> None:
+    report = {"pid": pid, "mode": mode, "times": times} | ({"gc": gc} if gc else {})
+    (folder / str(pid)).write_text(json.dumps(report))
 
 
 def test_hook_times_are_per_engine_step_of_each_role_and_mode(tmp_path: Path) -> None:
@@ -40,6 +43,41 @@ def test_hook_times_are_per_engine_step_of_each_role_and_mode(tmp_path: Path) ->
     assert got["kvdi"]["scheduler"]["us_per_step"] == pytest.approx(2 + 3 + 5)  # µs a step, per-request hooks too
     assert got["kvdi"]["scheduler"]["top"][0] == ("request_finished", pytest.approx(5.0))
     assert got["kvdi"]["worker"]["us_per_step"] == pytest.approx(1.0)
+    assert "gc_us_per_step" not in got["kvdi"]["worker"]  # a report from before the connector counted collections
+
+
+def test_garbage_collections_are_per_engine_step_of_each_role_and_mode(tmp_path: Path) -> None:
+    scheduler = {"noop": {"build_connector_meta": [100, 50_000]}, "kvdi": {"build_connector_meta": [200, 400_000]}}
+    worker = {"noop": {"bind_connector_metadata": [100, 100_000]}, "kvdi": {"bind_connector_metadata": [200, 200_000]}}
+    _report(tmp_path, 11, "noop", scheduler, {"noop": [50, 5, 1, 300_000], "kvdi": [100, 10, 2, 1_000_000]})
+    _report(tmp_path, 12, "noop", worker, {"noop": [10, 1, 0, 100_000], "kvdi": [40, 2, 0, 600_000]})
+    got = hook_times(tmp_path)
+    assert got["noop"]["scheduler"]["gc_us_per_step"] == pytest.approx(3.0)
+    assert got["kvdi"]["scheduler"]["gc_us_per_step"] == pytest.approx(5.0)
+    assert got["kvdi"]["scheduler"]["gc_per_kstep"] == pytest.approx([500.0, 50.0, 10.0])
+    assert got["kvdi"]["worker"]["gc_us_per_step"] == pytest.approx(3.0)
+    doc = {"minutes": 1.0, "results": [{"config": "null", "rounds": [{"noop": _passes(1.0), "kvdi": _passes(1.0)}],
+                                        "hook_times": got}]}  # fmt: skip
+    lines = table(doc).splitlines()
+    assert (
+        "  kvdi scheduler     5.0 in garbage collections (generations 0/1/2: 500.0/50.0/10.0 a thousand steps)" in lines
+    )
+    # over servers: the collections' extra beside the hooks', one line each
+    servers = _servers([1.0], [1.0])
+    for k, result in enumerate(servers["results"]):
+        result["hook_times"] = {mode: {role: dict(t) for role, t in roles.items()} for mode, roles in got.items()}
+        result["hook_times"]["kvdi"]["worker"]["gc_us_per_step"] += 10.0 * k
+    gc_lines = [line for line in table(servers).splitlines() if "garbage collections' time" in line]
+    assert gc_lines == ["null: garbage collections' time, kvdi - noop, µs a step (scheduler + worker), server by "
+                        "server: +4.0, +14.0; median +9.0"]  # fmt: skip
+
+
+def test_a_pass_probes_the_host_unless_the_pass_before_it_was_quiet() -> None:
+    from benchmarks.vllm.bench_serve_switch import needs_probe
+
+    assert needs_probe(None, 5.0)  # a server's first pass
+    assert not needs_probe(0.0, 5.0) and not needs_probe(5.0, 5.0)
+    assert needs_probe(5.1, 5.0)
 
 
 def _passes(scale: float) -> dict[str, dict[str, float]]:

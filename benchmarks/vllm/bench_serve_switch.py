@@ -73,7 +73,9 @@ STEP_HOOKS = ("build_connector_meta", "bind_connector_metadata")
 
 
 def hook_times(folder: Path) -> dict[str, dict[str, Any]]:
-    """Per mode: each role's steps, its hooks' time per step (µs) and the three costliest hooks (µs a step)."""
+    """Per mode: each role's steps, its hooks' time per step (µs) and the three costliest hooks (µs a step); with
+    the process's garbage collections in that mode where the connector counted them: their time (µs a step,
+    ``gc_us_per_step``) and how many of each generation ran a thousand steps (``gc_per_kstep``)."""
     out: dict[str, dict[str, Any]] = {}
     for report in reports(folder).values():
         for mode, hooks in report["times"].items():
@@ -84,7 +86,12 @@ def hook_times(folder: Path) -> dict[str, dict[str, Any]]:
             per = {name: ns / steps / 1e3 for name, (_, ns) in hooks.items()}
             top = sorted(per.items(), key=lambda kv: -kv[1])[:3]
             name = "scheduler" if role == STEP_HOOKS[0] else "worker"
-            out.setdefault(mode, {})[name] = {"steps": steps, "us_per_step": sum(per.values()), "top": top}
+            times: dict[str, Any] = {"steps": steps, "us_per_step": sum(per.values()), "top": top}
+            collected = report.get("gc", {}).get(mode)
+            if collected:
+                times["gc_us_per_step"] = collected[3] / steps / 1e3
+                times["gc_per_kstep"] = [n * 1e3 / steps for n in collected[:3]]
+            out.setdefault(mode, {})[name] = times
     return out
 
 
@@ -190,6 +197,17 @@ MAX_STOLEN = 4
 :func:`.host_steal.wait_quiet`)."""
 
 
+LAST_STEAL: list[float | None] = [None]
+"""The steal (%) the last pass met on this server; None before its first."""
+
+
+def needs_probe(last_steal: float | None, max_steal: float) -> bool:
+    """Whether a pass waits for a quiet host first (:func:`.host_steal.wait_quiet`): not right after a pass that
+    met no more steal than the bound (its own reading was the probe; a burst begun since makes the pass run again,
+    :func:`run_again`)."""
+    return last_steal is None or last_steal > max_steal
+
+
 def stalled(figures: dict[str, float]) -> bool:
     """Whether a pass's client saw whole responses delivered at once (:data:`STALL_ITL_MS`)."""
     return figures["client ITL p50"] < STALL_ITL_MS
@@ -199,7 +217,8 @@ def unstalled_pass(
     server: serve.Server, argv: list[str], args: argparse.Namespace, folder: Path, phase: str, name: str
 ) -> Measured:
     """:func:`one_pass` of ``phase`` (vLLM's prefix cache reset first for ``cold`` and ``load``), started on a quiet
-    host (:func:`.host_steal.wait_quiet`: steal at most ``--max-steal``, waiting at most ``--steal-wait-s``), run
+    host (:func:`.host_steal.wait_quiet`: steal at most ``--max-steal``, waiting at most ``--steal-wait-s``; not
+    after a quiet pass, :func:`needs_probe`), run
     again while it stalled (:func:`stalled`, at most :data:`MAX_STALLS` times) or met more steal than the bound (at
     most :data:`MAX_STOLEN` times); ``stalls`` and ``stolen`` count the passes run again, ``stalled`` and ``stolen
     kept`` whether the pass kept is still so. A store's ``cold`` pass is never run again (its store then holds the
@@ -208,9 +227,11 @@ def unstalled_pass(
     while True:
         if phase in ("cold", "load") and not server.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache refused")
-        wait_quiet(args.max_steal, args.steal_wait_s)
+        if needs_probe(LAST_STEAL[0], args.max_steal):
+            wait_quiet(args.max_steal, args.steal_wait_s)
         measured = one_pass(server, argv, args.settle_s, folder)
         figures = measured.figures
+        LAST_STEAL[0] = figures["steal %"]
         again = run_again(figures, stalls, stolen, args.max_steal, phase, name)
         if again is None:
             measured.figures = figures | {
@@ -254,6 +275,7 @@ def serve_switched(name: str, args: argparse.Namespace, work: Path, redis_url: s
     kv = serve.kv_for(name, store, redis_url, stats if args.stats_dir else None)
     assert kv is not None
     os.environ.update(BENCH_SWITCH_DIR=str(folder), BENCH_SWITCH_START="noop")
+    LAST_STEAL[0] = None  # a new server's first pass probes the host
     server = serve.Server(args.model, work / f"serve-{tag}.log", {**kv, **SWITCH}, 2048, log_stats=True,
                           reserved_cpus=args.reserved_cpus)  # fmt: skip
     rounds: list[dict[str, dict[str, dict[str, float]]]] = []
@@ -486,14 +508,36 @@ def hook_extra_us(result: dict[str, Any]) -> float | None:
     return hook_step_us(result, "kvdi") - hook_step_us(result, "noop")
 
 
+def gc_step_us(result: dict[str, Any], mode: str) -> float | None:
+    """The µs a step ``mode``'s garbage collections took, scheduler and worker together; None where a role's
+    connector did not count them (runs from before :data:`.switch_connector.GC`)."""
+    roles = result["hook_times"][mode].values()
+    if not roles or any("gc_us_per_step" not in t for t in roles):
+        return None
+    return float(sum(t["gc_us_per_step"] for t in roles))
+
+
+def gc_extra_us(result: dict[str, Any]) -> float | None:
+    """The µs a step garbage collections took in kvdi's mode over the do-nothing connector's, both roles; None
+    where the server did not count them in both modes."""
+    if set(result.get("hook_times") or ()) != set(MODES):
+        return None
+    kvdi, noop = gc_step_us(result, "kvdi"), gc_step_us(result, "noop")
+    return None if kvdi is None or noop is None else kvdi - noop
+
+
 def server_hook_lines(results: list[dict[str, Any]]) -> list[str]:
-    """One line a server: the µs a step kvdi's hooks took over the do-nothing connector's."""
-    extra = [x for x in map(hook_extra_us, results) if x is not None]
-    if not extra:
-        return []
-    cells = ", ".join(f"{x:+.1f}" for x in extra)
-    return [f"{results[0]['config']}: time inside the switched hooks, kvdi - noop, µs a step (scheduler + worker), "
-            f"server by server: {cells}; median {statistics.median(extra):+.1f}"]  # fmt: skip
+    """One line a server: the µs a step kvdi's hooks took over the do-nothing connector's; and one for the garbage
+    collections, where they were counted."""
+    lines = []
+    for what, extras in (("time inside the switched hooks", [hook_extra_us(r) for r in results]),
+                         ("garbage collections' time", [gc_extra_us(r) for r in results])):  # fmt: skip
+        extra = [x for x in extras if x is not None]
+        if extra:
+            cells = ", ".join(f"{x:+.1f}" for x in extra)
+            lines.append(f"{results[0]['config']}: {what}, kvdi - noop, µs a step (scheduler + worker), "
+                         f"server by server: {cells}; median {statistics.median(extra):+.1f}")  # fmt: skip
+    return lines
 
 
 def hook_lines(result: dict[str, Any]) -> list[str]:
@@ -505,6 +549,10 @@ def hook_lines(result: dict[str, Any]) -> list[str]:
         for role, t in roles.items():
             top = ", ".join(f"{h} {us:.1f}" for h, us in t["top"])
             lines.append(f"  {mode:4s} {role:9s} {t['us_per_step']:7.1f} over {t['steps']} steps ({top})")
+            if "gc_us_per_step" in t:
+                per = "/".join(f"{n:.1f}" for n in t["gc_per_kstep"])
+                lines.append(f"  {mode:4s} {role:9s} {t['gc_us_per_step']:7.1f} in garbage collections "
+                             f"(generations 0/1/2: {per} a thousand steps)")  # fmt: skip
     return lines
 
 

@@ -9,14 +9,17 @@ flag. ``SIGUSR1`` flips the flag in the process that gets it; the benchmark (:mo
 the engine core and the worker only while the server is idle (no request in flight), so a request starts and
 ends in one mode. Both modes pay the same check, so the difference between them is what kvdi's hooks cost.
 
-Every instance writes its pid, role, mode and hook times (:data:`TIMES`: per mode and hook, calls and nanoseconds
-inside, timed alike in both modes) as JSON to ``$BENCH_SWITCH_DIR/<pid>`` when it starts and after each flip: the
-benchmark signals exactly those processes, waits for their acknowledgements and reads what kvdi's hooks took.
-``BENCH_SWITCH_START`` (``noop`` or ``kvdi``) is the first mode. A benchmark's test double, never used by kvdi itself.
+Every instance writes its pid, role, mode, hook times (:data:`TIMES`: per mode and hook, calls and nanoseconds
+inside, timed alike in both modes) and garbage collections (:data:`GC`: per mode, by generation, and their time,
+wherever in the process they ran, inside the hooks or not: what kvdi's objects may cost outside its hooks) as JSON
+to ``$BENCH_SWITCH_DIR/<pid>`` when it starts and after each flip: the benchmark signals exactly those processes,
+waits for their acknowledgements and reads what kvdi's hooks took. ``BENCH_SWITCH_START`` (``noop`` or ``kvdi``) is
+the first mode. A benchmark's test double, never used by kvdi itself.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -50,11 +53,28 @@ TIMES: dict[str, dict[str, list[int]]] = {mode: {} for mode in MODES}
 """Per mode, per hook: [calls, nanoseconds inside the hook] in this process (both modes time alike)."""
 
 
+GC: dict[str, list[int]] = {mode: [0, 0, 0, 0] for mode in MODES}
+"""Per mode: this process's garbage collections of generation 0, 1 and 2, and the nanoseconds they took."""
+_GC_START = [0]
+
+
+def _collected(phase: str, info: dict[str, int]) -> None:
+    """``gc.callbacks``' hook: each collection, and its time, counted to the mode the process is in."""
+    if phase == "start":
+        _GC_START[0] = perf_counter_ns()
+        return
+    kept = GC[MODES[KVDI[0]]]
+    kept[info["generation"]] += 1
+    kept[3] += perf_counter_ns() - _GC_START[0]
+
+
 def _acknowledge() -> None:
     folder = os.environ.get("BENCH_SWITCH_DIR")
     if folder:  # written whole, then renamed: the benchmark never reads half a line
         tmp = Path(folder, f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "role": ROLE[0], "mode": MODES[KVDI[0]], "times": TIMES}))
+        tmp.write_text(
+            json.dumps({"pid": os.getpid(), "role": ROLE[0], "mode": MODES[KVDI[0]], "times": TIMES, "gc": GC})
+        )
         os.replace(tmp, Path(folder, str(os.getpid())))
 
 
@@ -93,6 +113,8 @@ class SwitchConnector(KvdiConnector):  # type: ignore[misc,unused-ignore]
         super().__init__(*args, **kwargs)
         ROLE[0] = "scheduler" if self.role.name == "SCHEDULER" else "worker"
         signal.signal(signal.SIGUSR1, _flip)  # vLLM builds connectors on each process's main thread
+        if _collected not in gc.callbacks:
+            gc.callbacks.append(_collected)
         _acknowledge()
 
 
