@@ -16,6 +16,7 @@ from benchmarks.vllm.bench_serve_slices import (
     merge,
     pair_ratios,
     plan,
+    position_ratios,
     slice_seed,
 )
 
@@ -127,9 +128,24 @@ def test_the_spread_of_a_slice_pair_and_of_a_round_come_from_a_results_files_pas
     assert out[1] == (f"  null hit: 4 pairs, 2 rounds of 2; spread of a pair / of a round (a round of independent "
                       f"pairs): p50 {pair:.1%} / {whole:.1%} ({pair / 2**0.5:.1%}), p90 {pair:.1%} / {whole:.1%} "
                       f"({pair / 2**0.5:.1%}), mean {pair:.1%} / {whole:.1%} ({pair / 2**0.5:.1%})")  # fmt: skip
+    assert (
+        out[2]
+        == "  null hit: ITL p50 kvdi / noop by the pass that ran first (geometric mean): noop first 0.997 (4 pairs)"
+    )
     path.write_text("\n".join(lines))  # the passes without the run's document
     assert main([str(path)]) == 2
     assert capsys.readouterr().err == f"{path}: cannot be read as a sliced results file (it holds no " \
                                       "bench_serve_switch run document)\n"  # fmt: skip
     path.write_text(json.dumps(doc))  # the document without the passes
     assert main([str(path)]) == 2 and "holds no sliced passes" in capsys.readouterr().err
+
+
+def test_a_slices_ratio_is_split_by_the_mode_whose_pass_ran_first() -> None:
+    lines = [_line(0, 0, "kvdi", "load", 4.4), _line(0, 0, "noop", "load", 4.0),  # kvdi first: 1.1
+             _line(0, 1, "noop", "load", 5.0), _line(0, 1, "kvdi", "load", 5.0),  # noop first: 1.0
+             _line(1, 0, "kvdi", "load", 3.6), _line(1, 0, "noop", "load", 4.0),  # kvdi first: 0.9
+             _line(1, 1, "kvdi", "hit", 5.0)]  # fmt: skip
+    split = position_ratios(lines)
+    assert list(split) == [("null", "load")]
+    assert split["null", "load"]["kvdi first"] == pytest.approx([1.1, 0.9])
+    assert split["null", "load"]["noop first"] == pytest.approx([1.0])

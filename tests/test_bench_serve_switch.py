@@ -72,6 +72,26 @@ def test_garbage_collections_are_per_engine_step_of_each_role_and_mode(tmp_path:
                         "server: +4.0, +14.0; median +9.0"]  # fmt: skip
 
 
+def test_hook_times_since_a_start_leave_out_what_the_start_had_counted(tmp_path: Path) -> None:
+    from benchmarks.vllm.bench_serve_switch import reports
+
+    # at the start: warm-up's 100 steps and start-up's collections, all in noop's mode; kvdi's never ran
+    _report(tmp_path, 11, "noop", {"noop": {"build_connector_meta": [100, 900_000]}}, {"noop": [40, 4, 2, 9_000_000]})
+    start = reports(tmp_path)
+    scheduler = {"noop": {"build_connector_meta": [300, 1_100_000]}, "kvdi": {"build_connector_meta": [100, 400_000]}}
+    _report(tmp_path, 11, "noop", scheduler, {"noop": [42, 4, 2, 9_200_000], "kvdi": [3, 0, 0, 300_000]})
+    got = hook_times(tmp_path, start)
+    assert got["noop"]["scheduler"]["steps"] == 200
+    assert got["noop"]["scheduler"]["us_per_step"] == pytest.approx(1.0)
+    assert got["noop"]["scheduler"]["gc_us_per_step"] == pytest.approx(1.0)
+    assert got["noop"]["scheduler"]["gc_per_kstep"] == pytest.approx([10.0, 0.0, 0.0])
+    assert got["kvdi"]["scheduler"]["gc_us_per_step"] == pytest.approx(3.0)
+    assert hook_times(tmp_path)["noop"]["scheduler"]["steps"] == 300  # without a start: everything counted
+    # a mode that took no step since the start is left out, not divided by zero
+    _report(tmp_path, 11, "noop", {"noop": {"build_connector_meta": [100, 900_000]}}, {"noop": [40, 4, 2, 9_000_000]})
+    assert hook_times(tmp_path, start) == {}
+
+
 def test_a_pass_probes_the_host_unless_the_pass_before_it_was_quiet() -> None:
     from benchmarks.vllm.bench_serve_switch import needs_probe
 

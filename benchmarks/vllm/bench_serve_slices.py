@@ -15,7 +15,8 @@ and CPU time summed. A store's ``load`` pass loads what its ``cold`` pass of the
 Whether slicing helps is measured, not assumed: ``python -m benchmarks.vllm.bench_serve_slices <results file>...``
 (:func:`spread`) reads the per-pass lines a results file keeps and prints, per configuration and pass, how much the
 kvdi / noop ratio of one slice's two neighbouring passes spreads, and how much a round's merged ratio does: were the
-host's slow stretches shorter than a pass, a round of S slices would spread about ``1/sqrt(S)`` as much as a pair.
+host's slow stretches shorter than a pass, a round of S slices would spread about ``1/sqrt(S)`` as much as a pair;
+and the slices' ratio split by the mode that ran first (:func:`position_ratios`), were the order to favour one.
 Usage (any venv with numpy)::
 
     python -m benchmarks.vllm.bench_serve_slices benchmarks/results/bench_serve_switch-null-sliced-*.txt
@@ -121,6 +122,30 @@ def pair_ratios(lines: Iterable[str]) -> dict[tuple[str, str], dict[str, list[fl
     return out
 
 
+def position_ratios(lines: Iterable[str]) -> dict[tuple[str, str], dict[str, list[float]]]:
+    """Per (configuration, phase): each slice's kvdi / noop ratio of the server's ITL p50, split by the mode whose
+    pass ran first (``kvdi first``, ``noop first``; the order of the lines: a rerun prints its kept pass once)."""
+    first: dict[tuple[str, str, str, str], str] = {}
+    seen: dict[tuple[str, str, str, str], dict[str, float]] = {}
+    for line in lines:
+        m = PASS_LINE.match(line)
+        if m:
+            key = (m["config"], m["phase"], m["round"], m["slice"])
+            first.setdefault(key, m["mode"])
+            seen.setdefault(key, {})[m["mode"]] = float(m["p50"])
+    out: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for key, modes in seen.items():
+        if len(modes) == 2:
+            split = out.setdefault(key[:2], {"kvdi first": [], "noop first": []})
+            split[f"{first[key]} first"].append(modes["kvdi"] / modes["noop"])
+    return out
+
+
+def geomean(ratios: Sequence[float]) -> float:
+    """The geometric mean of ``ratios`` (NaN for none)."""
+    return float(np.exp(np.log(np.asarray(ratios, dtype=float)).mean())) if ratios else float("nan")
+
+
 def log_sd(ratios: Sequence[float]) -> float:
     """The sample standard deviation of the ratios' logarithms (about the relative spread of one ratio)."""
     return float(np.log(np.asarray(ratios, dtype=float)).std(ddof=1)) if len(ratios) > 1 else float("nan")
@@ -146,6 +171,10 @@ def spread(text: str) -> list[str]:
             cells.append(f"{short} {pair:.1%} / {whole:.1%} ({pair / slices**0.5:.1%})")
         lines.append(f"{config} {phase}: {len(ratios['p50'])} pairs, {len(kept)} rounds of {slices}; spread of a "
                      "pair / of a round (a round of independent pairs): " + ", ".join(cells))  # fmt: skip
+    for (config, phase), split in position_ratios(text.splitlines()).items():
+        cells = [f"{who} {geomean(r):.3f} ({len(r)} pairs)" for who, r in split.items() if r]
+        lines.append(f"{config} {phase}: ITL p50 kvdi / noop by the pass that ran first (geometric mean): "
+                     + ", ".join(cells))  # fmt: skip
     return lines
 
 

@@ -72,17 +72,36 @@ STEP_HOOKS = ("build_connector_meta", "bind_connector_metadata")
 """The hook vLLM calls once a step in each role (scheduler, worker): the steps a report's times are over."""
 
 
-def hook_times(folder: Path) -> dict[str, dict[str, Any]]:
+def since(report: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
+    """A switch connector's report less what an earlier report of it counted (``before``; None: nothing), so that
+    the figures cover only what ran between the two: its hook times and its garbage collections, per mode."""
+    if before is None:
+        return report
+    was = before["times"]
+    times = {mode: {hook: [now - old for now, old in zip(kept, was.get(mode, {}).get(hook, [0, 0]), strict=True)]
+                    for hook, kept in hooks.items()} for mode, hooks in report["times"].items()}  # fmt: skip
+    out = report | {"times": times}
+    if "gc" in report:
+        out["gc"] = {mode: [now - old for now, old in zip(kept, before.get("gc", {}).get(mode, [0] * 4), strict=True)]
+                     for mode, kept in report["gc"].items()}  # fmt: skip
+    return out
+
+
+def hook_times(folder: Path, start: dict[int, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """Per mode: each role's steps, its hooks' time per step (µs) and the three costliest hooks (µs a step); with
     the process's garbage collections in that mode where the connector counted them: their time (µs a step,
-    ``gc_us_per_step``) and how many of each generation ran a thousand steps (``gc_per_kstep``)."""
+    ``gc_us_per_step``) and how many of each generation ran a thousand steps (``gc_per_kstep``). With ``start``
+    (:func:`counted_now`'s reports), only what ran since then."""
     out: dict[str, dict[str, Any]] = {}
-    for report in reports(folder).values():
+    for pid, report in reports(folder).items():
+        report = since(report, (start or {}).get(pid))
         for mode, hooks in report["times"].items():
             role = next((h for h in STEP_HOOKS if h in hooks), None)
             if role is None:
                 continue
             steps = hooks[role][0]
+            if steps <= 0:
+                continue
             per = {name: ns / steps / 1e3 for name, (_, ns) in hooks.items()}
             top = sorted(per.items(), key=lambda kv: -kv[1])[:3]
             name = "scheduler" if role == STEP_HOOKS[0] else "worker"
@@ -95,13 +114,20 @@ def hook_times(folder: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def final_hook_times(folder: Path) -> dict[str, dict[str, Any]]:
-    """:func:`hook_times` of every pass: a connector reports its times only when it flips, so both are flipped
-    twice (to the other mode and back): the last round's last mode is counted too."""
+def counted_now(folder: Path) -> dict[int, dict[str, Any]]:
+    """Every switch connector's report as of now, by pid: a connector reports only when it flips, so the idle
+    server's connectors are flipped twice (to the other mode and back)."""
     now = next(iter(acks(folder).values()))
     switch_to(MODES[1 - MODES.index(now)], folder)
     switch_to(now, folder)
-    return hook_times(folder)
+    return reports(folder)
+
+
+def final_hook_times(folder: Path, start: dict[int, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """:func:`hook_times` of every pass since ``start`` (:func:`counted_now` after the server's warm-up: its
+    start-up's collections and warm-up's steps left out), the last round's last mode counted too."""
+    counted_now(folder)
+    return hook_times(folder, start)
 
 
 def switch_to(mode: str, folder: Path, timeout_s: float = 30.0, settle_s: float = 0.0) -> None:
@@ -282,9 +308,10 @@ def serve_switched(name: str, args: argparse.Namespace, work: Path, redis_url: s
     try:
         server.wait_ready()
         serve.run_client(serve.client_args("random", 4, 8, 10_000, args.model, server.url))  # warm-up
+        start = counted_now(folder)
         for r in rounds_of(k, args.rounds, args.first_round):
             rounds.append((sliced_round if args.slices > 1 else whole_round)(server, args, folder, name, r))
-        times = final_hook_times(folder)
+        times = final_hook_times(folder, start)
     finally:
         server.stop()
     return {"config": name, "server": k, "rounds": rounds, "hook_times": times}
@@ -359,6 +386,7 @@ def serve_multi_turn_switched(name: str, args: argparse.Namespace, work: Path, r
     rounds: list[dict[str, dict[str, float]]] = []
     try:
         server.wait_ready()
+        start = counted_now(folder)
         for r in range(args.multi_turn):
             conv = mt.conversations(work / f"mt-conversations-{name}-{r}.json", seed=500 + r)
             row = {}
@@ -376,7 +404,7 @@ def serve_multi_turn_switched(name: str, args: argparse.Namespace, work: Path, r
                       file=sys.stderr)  # fmt: skip
             rounds.append(row)
         switch_to("noop", folder)
-        times = final_hook_times(folder)
+        times = final_hook_times(folder, start)
     finally:
         server.stop()
     return {"config": name, "multi_turn_rounds": rounds, "hook_times": times}
