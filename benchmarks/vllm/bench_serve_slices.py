@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.vllm.bench_serve_stats import histogram_quantiles, histogram_sum, run_document
+from benchmarks.vllm.bench_serve_stats import geometric_mean, histogram_quantiles, histogram_sum, run_document
 
 FIGURES = ("server ITL p50", "server ITL p90", "server ITL mean", "TTFT p50", "TTFT p90")
 """A pass's figures (ms): the server's inter-token quantiles and mean, the client's time to first token."""
@@ -105,16 +105,22 @@ PASS_LINE = re.compile(
 SPREAD_FIGURES = {"p50": "server ITL p50", "p90": "server ITL p90", "mean": "server ITL mean"}
 
 
-def pair_ratios(lines: Iterable[str]) -> dict[tuple[str, str], dict[str, list[float]]]:
-    """Per (configuration, phase): the kvdi / noop ratio of each slice's two passes, by figure (p50, p90, mean)."""
+def slice_passes(lines: Iterable[str]) -> dict[tuple[str, str, str, str], dict[str, dict[str, float]]]:
+    """Each slice's passes of a phase, by (configuration, phase, round, slice): each mode's figures (p50, p90,
+    mean), the modes in the order their passes ran (the order of the lines: a rerun prints its kept pass once)."""
     seen: dict[tuple[str, str, str, str], dict[str, dict[str, float]]] = {}
     for line in lines:
         m = PASS_LINE.match(line)
         if m:  # a pass printed twice (it cannot be: reruns print once) would keep its last line
             key = (m["config"], m["phase"], m["round"], m["slice"])
             seen.setdefault(key, {})[m["mode"]] = {k: float(m[k]) for k in SPREAD_FIGURES}
+    return seen
+
+
+def pair_ratios(lines: Iterable[str]) -> dict[tuple[str, str], dict[str, list[float]]]:
+    """Per (configuration, phase): the kvdi / noop ratio of each slice's two passes, by figure (p50, p90, mean)."""
     out: dict[tuple[str, str], dict[str, list[float]]] = {}
-    for (config, phase, _, _), modes in seen.items():
+    for (config, phase, _, _), modes in slice_passes(lines).items():
         if len(modes) == 2:
             ratios = out.setdefault((config, phase), {k: [] for k in SPREAD_FIGURES})
             for k in SPREAD_FIGURES:
@@ -124,26 +130,13 @@ def pair_ratios(lines: Iterable[str]) -> dict[tuple[str, str], dict[str, list[fl
 
 def position_ratios(lines: Iterable[str]) -> dict[tuple[str, str], dict[str, list[float]]]:
     """Per (configuration, phase): each slice's kvdi / noop ratio of the server's ITL p50, split by the mode whose
-    pass ran first (``kvdi first``, ``noop first``; the order of the lines: a rerun prints its kept pass once)."""
-    first: dict[tuple[str, str, str, str], str] = {}
-    seen: dict[tuple[str, str, str, str], dict[str, float]] = {}
-    for line in lines:
-        m = PASS_LINE.match(line)
-        if m:
-            key = (m["config"], m["phase"], m["round"], m["slice"])
-            first.setdefault(key, m["mode"])
-            seen.setdefault(key, {})[m["mode"]] = float(m["p50"])
+    pass ran first (``kvdi first``, ``noop first``)."""
     out: dict[tuple[str, str], dict[str, list[float]]] = {}
-    for key, modes in seen.items():
+    for (config, phase, _, _), modes in slice_passes(lines).items():
         if len(modes) == 2:
-            split = out.setdefault(key[:2], {"kvdi first": [], "noop first": []})
-            split[f"{first[key]} first"].append(modes["kvdi"] / modes["noop"])
+            split = out.setdefault((config, phase), {"kvdi first": [], "noop first": []})
+            split[f"{next(iter(modes))} first"].append(modes["kvdi"]["p50"] / modes["noop"]["p50"])
     return out
-
-
-def geomean(ratios: Sequence[float]) -> float:
-    """The geometric mean of ``ratios`` (NaN for none)."""
-    return float(np.exp(np.log(np.asarray(ratios, dtype=float)).mean())) if ratios else float("nan")
 
 
 def log_sd(ratios: Sequence[float]) -> float:
@@ -172,7 +165,7 @@ def spread(text: str) -> list[str]:
         lines.append(f"{config} {phase}: {len(ratios['p50'])} pairs, {len(kept)} rounds of {slices}; spread of a "
                      "pair / of a round (a round of independent pairs): " + ", ".join(cells))  # fmt: skip
     for (config, phase), split in position_ratios(text.splitlines()).items():
-        cells = [f"{who} {geomean(r):.3f} ({len(r)} pairs)" for who, r in split.items() if r]
+        cells = [f"{who} {geometric_mean(r):.3f} ({len(r)} pairs)" for who, r in split.items() if r]
         lines.append(f"{config} {phase}: ITL p50 kvdi / noop by the pass that ran first (geometric mean): "
                      + ", ".join(cells))  # fmt: skip
     return lines

@@ -72,18 +72,21 @@ STEP_HOOKS = ("build_connector_meta", "bind_connector_metadata")
 """The hook vLLM calls once a step in each role (scheduler, worker): the steps a report's times are over."""
 
 
+def _less(now: list[int], was: list[int]) -> list[int]:
+    return [a - b for a, b in zip(now, was, strict=True)]
+
+
 def since(report: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
     """A switch connector's report less what an earlier report of it counted (``before``; None: nothing), so that
     the figures cover only what ran between the two: its hook times and its garbage collections, per mode."""
     if before is None:
         return report
     was = before["times"]
-    times = {mode: {hook: [now - old for now, old in zip(kept, was.get(mode, {}).get(hook, [0, 0]), strict=True)]
-                    for hook, kept in hooks.items()} for mode, hooks in report["times"].items()}  # fmt: skip
+    times = {mode: {hook: _less(kept, was.get(mode, {}).get(hook, [0, 0])) for hook, kept in hooks.items()}
+             for mode, hooks in report["times"].items()}  # fmt: skip
     out = report | {"times": times}
     if "gc" in report:
-        out["gc"] = {mode: [now - old for now, old in zip(kept, before.get("gc", {}).get(mode, [0] * 4), strict=True)]
-                     for mode, kept in report["gc"].items()}  # fmt: skip
+        out["gc"] = {mode: _less(kept, before.get("gc", {}).get(mode, [0] * 4)) for mode, kept in report["gc"].items()}
     return out
 
 
@@ -523,34 +526,22 @@ def servers_said(doc: dict[str, Any]) -> str:
     return "one server" if count == 1 else f"{count} fresh servers"
 
 
-def hook_step_us(result: dict[str, Any], mode: str) -> float:
-    """The µs a step inside ``mode``'s switched hooks, scheduler and worker together."""
-    return float(sum(t["us_per_step"] for t in result["hook_times"][mode].values()))
-
-
-def hook_extra_us(result: dict[str, Any]) -> float | None:
-    """The µs a step kvdi's switched hooks took over the do-nothing connector's, scheduler and worker together;
-    None where the server did not time both modes."""
-    if set(result.get("hook_times") or ()) != set(MODES):
-        return None
-    return hook_step_us(result, "kvdi") - hook_step_us(result, "noop")
-
-
-def gc_step_us(result: dict[str, Any], mode: str) -> float | None:
-    """The µs a step ``mode``'s garbage collections took, scheduler and worker together; None where a role's
-    connector did not count them (runs from before :data:`.switch_connector.GC`)."""
+def hook_step_us(result: dict[str, Any], mode: str, figure: str = "us_per_step") -> float | None:
+    """The µs a step inside ``mode``'s switched hooks (``figure`` ``gc_us_per_step``: in its garbage collections),
+    scheduler and worker together; None where a role did not count it (collections: runs from before
+    :data:`.switch_connector.GC`)."""
     roles = result["hook_times"][mode].values()
-    if not roles or any("gc_us_per_step" not in t for t in roles):
+    if not roles or any(figure not in t for t in roles):
         return None
-    return float(sum(t["gc_us_per_step"] for t in roles))
+    return float(sum(t[figure] for t in roles))
 
 
-def gc_extra_us(result: dict[str, Any]) -> float | None:
-    """The µs a step garbage collections took in kvdi's mode over the do-nothing connector's, both roles; None
-    where the server did not count them in both modes."""
+def hook_extra_us(result: dict[str, Any], figure: str = "us_per_step") -> float | None:
+    """The µs a step kvdi's switched hooks took over the do-nothing connector's (``figure``: as
+    :func:`hook_step_us`), scheduler and worker together; None where the server did not time both modes."""
     if set(result.get("hook_times") or ()) != set(MODES):
         return None
-    kvdi, noop = gc_step_us(result, "kvdi"), gc_step_us(result, "noop")
+    kvdi, noop = hook_step_us(result, "kvdi", figure), hook_step_us(result, "noop", figure)
     return None if kvdi is None or noop is None else kvdi - noop
 
 
@@ -558,9 +549,9 @@ def server_hook_lines(results: list[dict[str, Any]]) -> list[str]:
     """One line a server: the µs a step kvdi's hooks took over the do-nothing connector's; and one for the garbage
     collections, where they were counted."""
     lines = []
-    for what, extras in (("time inside the switched hooks", [hook_extra_us(r) for r in results]),
-                         ("garbage collections' time", [gc_extra_us(r) for r in results])):  # fmt: skip
-        extra = [x for x in extras if x is not None]
+    for what, figure in (("time inside the switched hooks", "us_per_step"),
+                         ("garbage collections' time", "gc_us_per_step")):  # fmt: skip
+        extra = [x for x in (hook_extra_us(r, figure) for r in results) if x is not None]
         if extra:
             cells = ", ".join(f"{x:+.1f}" for x in extra)
             lines.append(f"{results[0]['config']}: {what}, kvdi - noop, µs a step (scheduler + worker), "
